@@ -1,0 +1,3 @@
+from nanoengine.cli import main
+
+main()

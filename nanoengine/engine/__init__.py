@@ -1,0 +1,1 @@
+"""The engine proper: sequences, block manager, scheduler, model runner and the step loop."""

@@ -1,0 +1,87 @@
+"""Sequence: the state of one request (one completion) inside the engine. Chapter 03.
+
+Plain Python: token ids, how many of them already have their K/V in the cache
+(`num_computed_tokens`), the block table, and the sampling parameters.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+from typing import Any
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: Any, block_size: int,
+                 seq_id: int | None = None) -> None:
+        if not token_ids:
+            raise ValueError("a sequence needs at least one prompt token; got an empty prompt")
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.block_size = block_size
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.wait_for: Sequence | None = None  # n > 1: siblings wait for the first one's prefill
+        self.request_id: str | None = None
+        self.index = 0  # which completion of its request (0..n-1)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={len(self)}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the prompt (or, after preemption, the prompt + generated tokens) is not all in cache."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        """Token ids held by logical block i."""
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
