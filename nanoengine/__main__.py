@@ -1,3 +1,5 @@
+import sys
+
 from nanoengine.cli import main
 
-main()
+sys.exit(main())

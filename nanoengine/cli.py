@@ -1,1 +1,85 @@
-def main(): pass
+"""Command line: `nanoengine assets|demo|generate|chat`. Chapters 00 and 08."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for learning a new language.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+]
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    from nanoengine import assets
+
+    if args.list:
+        print(json.dumps(assets.describe(), indent=2))
+        return 0
+    for name in args.names or assets.DEFAULT_ASSETS:
+        path = assets.ensure(name, force=args.force)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from nanoengine import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    convs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    outs = llm.chat(convs, params, use_tqdm=False)
+    for q, out in zip(DEMO_QUESTIONS, outs):
+        print(f"\n>>> {q}\n{out.outputs[0].text.strip()}")
+    m = llm.last_run_stats
+    if m:
+        print(f"\n[{m['num_requests']} requests, {m['output_tokens']} tokens in {m['seconds']:.1f} s: "
+              f"{m['output_tokens_per_s']:.0f} tok/s on {llm.config.device}]")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from nanoengine import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat:
+        for delta in llm.stream_chat([{"role": "user", "content": args.prompt}], params):
+            print(delta, end="", flush=True)
+    else:
+        for delta in llm.stream(args.prompt, params):
+            print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nanoengine", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("assets", help="build the offline model assets (idempotent)")
+    a.add_argument("names", nargs="*", help="asset names (default: all but the on-demand ones)")
+    a.add_argument("--force", action="store_true", help="rebuild even if present")
+    a.add_argument("--list", action="store_true", help="list assets and whether they are built")
+    a.set_defaults(fn=cmd_assets)
+    d = sub.add_parser("demo", help="answer a few questions with the default model")
+    d.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.set_defaults(fn=cmd_demo)
+    for name, chat in (("generate", False), ("chat", True)):
+        g = sub.add_parser(name, help=f"stream a {'chat answer' if chat else 'completion'} for one prompt")
+        g.add_argument("prompt")
+        g.add_argument("--model", default="smollm2-135m")
+        g.add_argument("--max-tokens", type=int, default=128)
+        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--seed", type=int, default=None)
+        g.set_defaults(fn=cmd_generate, chat=chat)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""BlockManager: the paged KV cache's bookkeeping. Chapters 03 (paged blocks) and 04 (prefix hashing).
+
+The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` token slots. Each sequence owns a
+*block table* (logical block i -> physical block id). This module only does the bookkeeping, in plain
+Python: which blocks are free, how many sequences share each block (`ref_count`), and the prefix cache.
+
+Prefix cache (chapter 04): once a block is full and its K/V are computed, it gets a *chained* hash
+(xxh64 of the previous block's hash + this block's token ids), so a hash names the whole prefix up to and
+including the block. A new sequence whose leading blocks hash the same reuses those blocks instead of
+recomputing them. Freed blocks keep their hash and go to the end of the free list; allocation takes from
+the front, so the least-recently-freed cached block is evicted first (LRU).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import xxhash
+
+from nanoengine.engine.sequence import Sequence
+
+_U64 = (1 << 64) - 1
+
+
+class Block:
+    """One physical KV block: who uses it and, once full and computed, what it holds."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # None: not full / not cacheable yet
+        self.token_ids: list[int] = []
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = None
+        self.token_ids = []
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.hash}, tokens={self.token_ids})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks must be >= 1, got {num_blocks}; "
+                             "give the KV cache more memory (num_kvcache_blocks / kv_cache_memory_gb)")
+        if block_size < 1:
+            raise ValueError(f"BlockManager: block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # least-recently-freed first; allocation pops from the front
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    # ------------------------------------------------------------------ hashing
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix_hash: int | None) -> int:
+        """xxh64 over (prefix hash as 8 little-endian bytes, if any) + token ids as little-endian int32."""
+        h = xxhash.xxh64()
+        if prefix_hash is not None:
+            h.update((prefix_hash & _U64).to_bytes(8, "little"))
+        arr = array("i", token_ids)
+        if sys.byteorder != "little":
+            arr.byteswap()
+        h.update(arr.tobytes())
+        return h.intdigest()
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # ------------------------------------------------------------------ prefix cache lookup
+    def match_prefix(self, seq: Sequence) -> int:
+        """Reuse cached blocks for the leading full blocks of `seq`; return the number of hit tokens.
+
+        Called once when a waiting sequence with an empty block table is admitted. The caller sets
+        `num_cached_tokens` / `num_computed_tokens`; to roll the hit back, call `free(seq)`.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        if seq.block_table:
+            raise RuntimeError(f"match_prefix: seq {seq.seq_id} already has blocks {seq.block_table}; "
+                               "prefix matching is only for a sequence with an empty block table (free it first)")
+        prefix_hash: int | None = None
+        hits = 0
+        for i in range(seq.num_tokens // self.block_size):
+            tokens = seq.block_tokens(i)
+            prefix_hash = self.compute_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or a hash collision
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:  # a cached free block: revive it
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            hits += 1
+        return hits * self.block_size
+
+    # ------------------------------------------------------------------ allocation
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Are there enough free blocks to cover seq.num_computed_tokens + num_new_tokens tokens?"""
+        return self._blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens; return new block ids."""
+        needed = self._blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free_block_ids):
+            raise RuntimeError(
+                f"allocate: seq {seq.seq_id} needs {needed} more KV blocks but only {len(self.free_block_ids)} "
+                f"are free (of {self.num_blocks}); call can_allocate first and preempt or wait")
+        new_ids = []
+        for _ in range(needed):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]  # evict from the prefix cache
+            block.reset()
+            new_ids.append(block_id)
+        seq.block_table.extend(new_ids)
+        return new_ids
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash and register every block of `seq` that is now full and computed and has no hash yet."""
+        if not self.enable_prefix_caching:
+            return
+        table = seq.block_table
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # hashed blocks form a prefix of the table: walk back to the first unhashed full block
+        start = num_full
+        while start > 0 and self.blocks[table[start - 1]].hash is None:
+            start -= 1
+        prefix_hash = self.blocks[table[start - 1]].hash if start > 0 else None
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
+            tokens = seq.block_tokens(i)
+            prefix_hash = self.compute_hash(tokens, prefix_hash)
+            block.hash = prefix_hash
+            block.token_ids = tokens
+            # if another block already holds this prefix, keep that mapping (this one stays a private copy)
+            self.hash_to_block_id.setdefault(prefix_hash, block.block_id)
+
+    # ------------------------------------------------------------------ release
+    def free(self, seq: Sequence) -> list[int]:
+        """Drop seq's references (tail first, so tail blocks are evicted first); return blocks that became free.
+
+        Freed blocks keep their hash: they stay prefix-cache hits until they are reallocated.
+        """
+        freed = []
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                freed.append(block_id)
+        seq.block_table.clear()
+        return freed
+
+    # ------------------------------------------------------------------ inspection
+    def get_cached_free_block_ids(self) -> list[int]:
+        """Free blocks that still hold a hash (reusable by a prefix hit), least-recently-freed first."""
+        return [b for b in self.free_block_ids if self.blocks[b].hash is not None]
+
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """For tests: raise AssertionError if the bookkeeping is inconsistent with the given block tables."""
+        refs = [0] * self.num_blocks
+        for seq in seqs:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        problems = []
+        for block in self.blocks:
+            if block.ref_count != refs[block.block_id]:
+                problems.append(f"block {block.block_id}: ref_count={block.ref_count} but "
+                                f"{refs[block.block_id]} block table(s) hold it")
+            if (block.ref_count == 0) != (block.block_id in self.free_block_ids):
+                problems.append(f"block {block.block_id}: ref_count={block.ref_count} but "
+                                f"{'in' if block.block_id in self.free_block_ids else 'not in'} the free list")
+            if block.hash is not None and len(block.token_ids) != self.block_size:
+                problems.append(f"block {block.block_id}: hashed but holds {len(block.token_ids)} tokens")
+        for h, block_id in self.hash_to_block_id.items():
+            if self.blocks[block_id].hash != h:
+                problems.append(f"hash {h} maps to block {block_id} whose hash is {self.blocks[block_id].hash}")
+        if problems:
+            raise AssertionError("BlockManager invariants broken:\n  " + "\n  ".join(problems))

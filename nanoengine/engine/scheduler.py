@@ -1,0 +1,215 @@
+"""Scheduler: token-budget continuous batching with chunked prefill (vLLM v1 style). Chapter 05.
+
+Every step has a budget of `max_num_batched_tokens` tokens. Running sequences go first, in order (a decode
+costs one token, a half-done chunked prefill costs the rest of its prompt, capped by what is left of the
+budget); then waiting sequences are admitted while budget and `max_num_seqs` allow, reusing prefix-cache
+hits. When the KV pool runs out, the newest running sequence is preempted (its blocks are freed and it is
+recomputed later). Pure Python over plain data: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    is_prefill: bool  # seq.is_prefill before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # running first, then newly admitted
+    preempted: list[Sequence] = field(default_factory=list)
+    cache_hits: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, hit tokens) per admitted seq
+    blocks_allocated: list[int] = field(default_factory=list)
+    blocks_freed: list[int] = field(default_factory=list)  # by preemption here; postprocess adds finished seqs'
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+        if config.max_model_len is None:
+            raise ValueError("Scheduler: config.max_model_len is None; call config.resolve(hf_config) first "
+                             "or set max_model_len explicitly")
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.eos_token_ids = set(eos_token_ids)
+        # a sequence can never hold more tokens than the pool has slots (matters for max_tokens=None)
+        self._max_len = min(self.max_model_len, block_manager.num_blocks * self.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ------------------------------------------------------------------ admission
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, after checking it can ever run (ValueError otherwise)."""
+        prompt_len = seq.num_prompt_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise ValueError(
+                    f"prompt of {prompt_len} tokens leaves no room to generate within max_model_len="
+                    f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+            total = prompt_len
+        else:
+            total = prompt_len + max_tokens
+            if total > self.max_model_len:
+                raise ValueError(
+                    f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = {total} exceeds max_model_len="
+                    f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise max_model_len")
+        blocks = -(-total // self.block_size)
+        num_blocks = self.block_manager.num_blocks
+        if blocks > num_blocks:
+            raise ValueError(
+                f"request of {total} tokens needs {blocks} KV blocks of {self.block_size} tokens and can never fit "
+                f"the KV pool of {num_blocks} blocks; shorten the prompt or max_tokens, or give the cache more "
+                f"room (num_kvcache_blocks / kv_cache_memory_gb)")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1) running sequences, oldest first: decodes and the rest of chunked prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # nothing to compute until the engine hands it a token
+                i += 1
+                continue
+            while not bm.can_allocate(seq, n):
+                victim = self.running.pop()  # the newest; always at index >= i
+                out.blocks_freed += self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
+                break
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+            budget -= n
+            i += 1
+
+        # 2) waiting sequences, in order, without head-of-line blocking. No admissions in a step that had to
+        #    preempt: the pool is under pressure and the preempted ones would just be readmitted.
+        if not out.preempted:
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[j]
+                first = seq.wait_for
+                if (first is not None and not first.is_finished
+                        and first.num_computed_tokens < first.num_prompt_tokens):
+                    j += 1  # an n>1 sibling: wait for the first completion's prefill, then hit its blocks
+                    continue
+                hits = 0
+                if not seq.block_table:
+                    hits = bm.match_prefix(seq)
+                    seq.num_cached_tokens = hits
+                    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # always compute the last token
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not bm.can_allocate(seq, n):
+                    bm.free(seq)  # undo the prefix hit; the blocks stay cached
+                    seq.num_computed_tokens = 0
+                    seq.num_cached_tokens = 0
+                    j += 1
+                    continue
+                is_prefill = seq.is_prefill
+                out.blocks_allocated += bm.allocate(seq, n)
+                del self.waiting[j]
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+                out.cache_hits.append((seq.seq_id, hits))
+                budget -= n
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, seq: Sequence) -> list[int]:
+        """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""
+        freed = self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return freed
+
+    # ------------------------------------------------------------------ after the forward pass
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Account the computed tokens, cache full blocks, append sampled tokens, finish; return finished seqs.
+
+        `sampled` maps seq_id -> new token for every scheduled seq that completed its prefill or decoded this
+        step; a token for a seq still in the middle of a chunked prefill is ignored. Blocks freed by finishing
+        sequences are added to `out.blocks_freed`.
+        """
+        bm = self.block_manager
+        finished = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted between schedule() and postprocess()
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens or seq.seq_id not in sampled:
+                continue
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                out.blocks_freed += self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling_params
+        past_min = seq.num_completion_tokens > sp.min_tokens
+        if past_min and not sp.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if past_min and token in (sp.stop_token_ids or ()):
+            return "stop"
+        if sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens:
+            return "length"
+        if seq.num_tokens >= self._max_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq finished (e.g. a stop string matched), free its blocks, remove it from the queues."""
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> list[int]:
+        if seq.is_finished:
+            return []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        return self.block_manager.free(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Remove a sequence wherever it is and free its blocks; False if no unfinished seq has this id."""
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == seq_id:
+                self._finish(seq, "abort")
+                return True
+        return False

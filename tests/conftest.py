@@ -1,0 +1,45 @@
+"""Shared fixtures: the offline assets (built once by `make assets`) and seeded randomness."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from nanoengine import assets
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_path():
+    return assets.ensure("qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path():
+    return assets.ensure("tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return assets.ensure("smollm2-135m")
+
+
+@pytest.fixture
+def seed():
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    return 0
