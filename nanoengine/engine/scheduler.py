@@ -53,6 +53,12 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, after checking it can ever run (ValueError otherwise)."""
+        self.check_admission(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_admission(self, seq: Sequence) -> None:
+        """Raise ValueError (saying what to change) if `seq` could never run; queue nothing."""
         prompt_len = seq.num_prompt_tokens
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is None:
@@ -74,8 +80,6 @@ class Scheduler:
                 f"request of {total} tokens needs {blocks} KV blocks of {self.block_size} tokens and can never fit "
                 f"the KV pool of {num_blocks} blocks; shorten the prompt or max_tokens, or give the cache more "
                 f"room (num_kvcache_blocks / kv_cache_memory_gb)")
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,0 +1,75 @@
+"""Sampler: greedy, temperature, top-k, top-p, min-p, and per-request seeds. Chapter 05.
+
+Sampling uses the exponential race (Gumbel-max in disguise): `argmax(probs / q)` with q ~ Exp(1) picks
+token i with probability probs[i]. A request with a seed draws its q from its own generator, one draw of
+the full vocabulary per token, so its samples do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [B] fp32 (0 = greedy)
+    top_ks: torch.Tensor | None  # [B] int64 (vocab = off) or None when no row filters
+    top_ps: torch.Tensor | None  # [B] fp32 (1 = off)
+    min_ps: torch.Tensor | None  # [B] fp32 (0 = off)
+    generators: list[torch.Generator | None]  # per row; None = the engine's shared generator
+    all_greedy: bool
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's allowed set: min-p, then top-k, then top-p on what is left.
+    logits [B, V] fp32, already temperature-scaled."""
+    if min_ps is not None:
+        probs = torch.softmax(logits, dim=-1)
+        too_small = probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_small, float("-inf"))
+    if top_ks is None and top_ps is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    V = logits.shape[-1]
+    if top_ks is not None:  # top-k first, then top-p over what top-k kept (vLLM's order)
+        beyond_k = torch.arange(V, device=logits.device)[None, :] >= top_ks[:, None]
+        beyond_k[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
+    if top_ps is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        beyond_p = cum_before >= top_ps[:, None]  # keep the smallest prefix whose mass reaches top_p
+        beyond_p[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(beyond_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.shared_generators: dict[str, torch.Generator] = {}  # per device, for rows without a seed
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self.shared_generators:
+            self.shared_generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.shared_generators[key]
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # logits [B, V] fp32 -> next token ids [B]
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        temps = batch.temperatures.to(logits.device)
+        is_greedy = temps == 0
+        scaled = logits / torch.where(is_greedy, 1.0, temps)[:, None]
+        scaled = apply_top_k_top_p_min_p(scaled, batch.top_ks, batch.top_ps, batch.min_ps)
+        probs = torch.softmax(scaled, dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.shared_generator(probs.device))  # [B, V]
+        for i, gen in enumerate(batch.generators):
+            if gen is not None:  # a seeded request: its own stream, one full-vocabulary draw per token
+                q[i] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(q.device)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, sampled)

@@ -1,0 +1,117 @@
+"""LLM: the offline API, shaped like vLLM's (`LLM(model).generate(prompts, SamplingParams(...))`).
+Chapters 00 and 05.
+
+`generate` takes strings, token-id lists or {"prompt_token_ids": ...} dicts, one SamplingParams or one per
+prompt, and returns RequestOutputs in input order. `chat` applies the model's chat template. `stream`
+yields text deltas as tokens are produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.outputs import RequestOutput
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.tokenizer import apply_chat_template
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **engine_options: Any) -> None:
+        self.engine = LLMEngine(model, **engine_options)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.trace = None  # RunTrace of the last generate() when trace=True
+        self.last_run_stats: dict[str, Any] = {}
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[Any]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = self._as_prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        # check every request before queueing any, so one bad prompt leaves nothing half-added
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        if self.config.trace:
+            self.trace = engine.start_trace()
+        for r in requests:
+            engine.add(r)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        try:
+            while any(not r.finished for r in requests):
+                engine.step()
+                if bar is not None:
+                    bar.n = sum(r.finished for r in requests)
+                    bar.refresh()
+        except BaseException:
+            for r in requests:  # leave the engine clean (e.g. after Ctrl-C)
+                engine.abort(r.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - t0
+        outputs = [r.output() for r in requests]
+        for r in requests:
+            engine.requests.pop(r.request_id, None)
+            for s in r.seqs:
+                engine.seq_to_request.pop(s.seq_id, None)
+        n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        n_in = sum(len(o.prompt_token_ids) for o in outputs)
+        self.last_run_stats = {"num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
+                               "seconds": seconds, "output_tokens_per_s": n_out / max(seconds, 1e-9),
+                               "total_tokens_per_s": (n_in + n_out) / max(seconds, 1e-9),
+                               "steps": engine.step_count}
+        if self.trace is not None:
+            engine.trace = None
+        return outputs
+
+    def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **(chat_template_kwargs or {}))}
+                for c in convs]
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        return self.generate(self._chat_prompts(messages, chat_template_kwargs), sampling_params, use_tqdm)
+
+    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the completion's text deltas as they are produced (first completion when n > 1)."""
+        engine = self.engine
+        req = engine.make_request(prompt, sampling_params)
+        engine.add(req)
+        try:
+            while not req.finished:
+                for r, i, delta in engine.step():
+                    if r is req and i == 0:
+                        yield delta
+        finally:
+            engine.abort(req.request_id)
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+                    chat_template_kwargs: dict | None = None) -> Iterator[str]:
+        yield from self.stream(self._chat_prompts(messages, chat_template_kwargs)[0], sampling_params)

@@ -1,0 +1,65 @@
+"""Load Hugging Face safetensors into our (fused) parameters, with a clear report of what did not fit.
+Chapter 02.
+
+Checkpoint names map onto ours: `model.layers.0.self_attn.q_proj.weight` -> the "q" rows of
+`layers.0.self_attn.qkv_proj.weight`; the `model.` prefix is dropped; a tied `lm_head.weight` is optional.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanoengine.layers.linear import default_weight_loader
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}; nanoengine loads Hugging Face safetensors folders")
+    return files
+
+
+def load_model(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), "pt") as f:
+            for ckpt_name in f.keys():
+                name = ckpt_name.removeprefix("model.")
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                shard = None
+                for frag, (ours, part) in packed.items():
+                    if f".{frag}." in name:
+                        name, shard = name.replace(f".{frag}.", f".{ours}."), part
+                        break
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(ckpt_name)
+                    continue
+                tensor = f.get_tensor(ckpt_name)
+                with torch.no_grad():
+                    if shard is None:
+                        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard)
+                loaded.add(name if shard is None else f"{name}:{shard}")
+    missing = []
+    for name, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            parts = getattr(module, "part_offsets", None)
+            need = [f"{full}:{p}" for p in parts] if parts and pname in ("weight", "bias") else [full]
+            missing += [n for n in need if n not in loaded]
+    if getattr(model, "tie_word_embeddings", False):
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:10]}"
+                         f"{' ...' if len(missing) > 10 else ''} ({len(missing)} in all); unexpected "
+                         f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all)")

@@ -1,0 +1,62 @@
+"""Tokenizers: loading a Hugging Face tokenizer, chat prompts, and incremental detokenization. Chapter 01.
+
+Byte-level BPE can split one UTF-8 character over several tokens, so decoding token by token would print
+broken characters. `IncrementalDetokenizer` decodes a small window of recent tokens and only emits text
+once it no longer ends in the replacement character U+FFFD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas that never split a character."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = 0  # tokens before this are already emitted as text
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new text it completes (may be '' while a character is incomplete)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is left (a truly invalid byte sequence decodes to U+FFFD)."""
+        full = self._decode(self.token_ids)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        self.read_offset = len(self.token_ids)
+        return delta
