@@ -8,9 +8,10 @@ import sys
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
-    "Give me three tips for learning a new language.",
+    "What is the capital of Japan?",
+    "Give me a short tip for staying healthy.",
     "Write a haiku about the sea.",
-    "What is 12 times 12?",
+    "Why do we need sleep?",
 ]
 
 

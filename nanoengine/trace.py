@@ -36,7 +36,9 @@ class StepTrace:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     ref_counts: dict[int, int] = field(default_factory=dict)
     cached_free_blocks: list[int] = field(default_factory=list)
-    block_hashes: dict[int, int] = field(default_factory=dict)
+    block_hashes: dict[int, int] = field(default_factory=dict)  # block_id -> chained hash (full, computed blocks)
+    block_tokens: dict[int, list[int]] = field(default_factory=dict)  # block_id -> token ids (hashed blocks)
+    seq_num_tokens: dict[int, int] = field(default_factory=dict)  # running seq_id -> tokens so far
     schedule_s: float = 0.0
     forward_s: float = 0.0
     postprocess_s: float = 0.0
@@ -74,6 +76,9 @@ class RunTrace:
     @property
     def hit_tokens(self) -> int:
         return sum(n for s in self.steps for _, n in s.cache_hits)
+
+    def hit_tokens_by_seq(self) -> list[tuple[int, int]]:
+        return [hit for s in self.steps for hit in s.cache_hits]
 
     @property
     def prompt_tokens(self) -> int:

@@ -252,6 +252,8 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_blocks=len(bm.blocks), block_tables=tables,
             ref_counts=used, cached_free_blocks=bm.get_cached_free_block_ids(),
             block_hashes={b.block_id: b.hash for b in bm.blocks if b.hash is not None},
+            block_tokens={b.block_id: list(b.token_ids) for b in bm.blocks if b.hash is not None},
+            seq_num_tokens={s.seq_id: s.num_tokens for s in self.scheduler.running},
             schedule_s=schedule_s, forward_s=forward_s, postprocess_s=post_s,
             time=time.perf_counter() - self.trace_start,
         ))
