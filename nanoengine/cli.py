@@ -78,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
         g.set_defaults(fn=cmd_generate, chat=chat)
+    b = sub.add_parser("bench", help="nanoengine vs transformers generate on one workload (JSON result)")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--workload", default="cpu-small", help="cpu-small | gpu-256 | smoke")
+    b.add_argument("--peer-batches", type=int, nargs="*", default=[8, 32],
+                   help="transformers static batch sizes to measure (none: skip the peer)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    b.add_argument("--engine-options", default=None, help='JSON, e.g. \'{"block_size": 32}\'')
+    b.add_argument("--out-dir", default="bench_results")
+    b.set_defaults(fn=lambda a: __import__("nanoengine.bench.run", fromlist=["main"]).main(a))
     args = p.parse_args(argv)
     return args.fn(args)
 

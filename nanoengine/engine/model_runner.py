@@ -23,6 +23,20 @@ from nanoengine.models.loader import load_model
 CPU_KV_CACHE_GB = 2.0  # default KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
 
 
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU pages are only touched when used (calloc through numpy): a 2 GiB KV pool
+    costs milliseconds instead of seconds to allocate. Zeros matter: masked attention multiplies unused
+    slots by 0, and 0 * NaN from uninitialized memory would be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        nbytes *= n
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         self.config = config
@@ -72,7 +86,7 @@ class ModelRunner:
                 raise ValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
         shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]  # [num_blocks, block_size, kv_heads, head_dim]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]

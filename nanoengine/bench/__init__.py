@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, the transformers peer, hardware ceilings, JSON results. Chapter 08."""
