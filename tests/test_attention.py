@@ -44,15 +44,15 @@ def test_paged_equals_dense(block_size, num_heads, num_kv_heads):
     num_blocks = 200
     tables = make_layout([n for n, _ in order], block_size, num_blocks, gen)
     attn = TorchAttention(num_heads, num_kv_heads, head_dim, scale)
-    attn.k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
     attn.v_cache = torch.zeros_like(attn.k_cache)
     full = [(torch.randn(n, num_heads, head_dim, generator=gen), torch.randn(n, num_kv_heads, head_dim, generator=gen),
              torch.randn(n, num_kv_heads, head_dim, generator=gen)) for n, _ in order]
-    # pre-fill the cache with the cached prefixes
+    # pre-fill the cache with the cached prefixes (the reference writes slots by hand: [kvh, block, offset, d])
     for (_n, cached), table, (_, k, v) in zip(order, tables, full):
         for p in range(cached):
-            attn.k_cache[table[p // block_size], p % block_size] = k[p]
-            attn.v_cache[table[p // block_size], p % block_size] = v[p]
+            attn.k_cache[:, table[p // block_size], p % block_size] = k[p]
+            attn.v_cache[:, table[p // block_size], p % block_size] = v[p]
     qs, ks, vs, slots = [], [], [], []
     starts, qlens, ctxs, ptables = [], [], [], []
     ntok = 0
@@ -83,16 +83,16 @@ def test_paged_equals_dense(block_size, num_heads, num_kv_heads):
                                    msg=lambda m, n=n, c=cached: f"sequence len {n} cached {c}: {m}")
         offset += n - cached
     # the new K/V landed in the cache at their slots
-    flat_k = attn.k_cache.view(-1, num_kv_heads, head_dim)
-    torch.testing.assert_close(flat_k[torch.tensor(slots)], torch.cat(ks))
+    flat_k = attn.k_cache.view(num_kv_heads, -1, head_dim)
+    torch.testing.assert_close(flat_k[:, torch.tensor(slots)].transpose(0, 1), torch.cat(ks))
 
 
 def test_slot_minus_one_is_not_written():
     from nanoengine.attention.torch_backend import store_kvcache
 
-    k_cache = torch.zeros(2, 4, 1, 2)
+    k_cache = torch.zeros(1, 2, 4, 2)  # [kvh, blocks, block_size, head_dim]
     v_cache = torch.zeros_like(k_cache)
     k = torch.ones(3, 1, 2)
     store_kvcache(k, k, k_cache, v_cache, torch.tensor([0, -1, 5]))
-    assert k_cache.view(-1, 1, 2)[[0, 5]].eq(1).all()
+    assert k_cache.view(1, -1, 2)[0, [0, 5]].eq(1).all()
     assert k_cache.sum() == 4

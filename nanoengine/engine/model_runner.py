@@ -85,10 +85,11 @@ class ModelRunner:
             if num_blocks < 1:
                 raise ValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
-        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = zeros_lazily(shape, self.dtype, self.device)
+        attn = self.model.layers[0].self_attn.attn
+        layer_shape = attn.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]  # [num_blocks, block_size, kv_heads, head_dim]
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]  # the backend's layout, e.g. [kvh, blocks, bs, d]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
         return num_blocks
 
