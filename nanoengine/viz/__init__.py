@@ -1,0 +1,38 @@
+"""See the engine: widgets and figures built only from a run's trace. Chapters 03 to 08.
+
+    from nanoengine.viz import show_timeline
+    show_timeline(llm.trace)   # slider + play: block table, batch bars, KV usage and hit rate, linked
+
+`state` computes plain data from a `RunTrace`; `static` draws it with matplotlib; `html` and `widgets` draw
+it as ipywidgets. The engine never imports this package.
+"""
+
+from nanoengine.viz.state import (
+    BatchCompositionState,
+    BlockCell,
+    BlockTableState,
+    KVUsageState,
+    PrefixTreeState,
+    batch_composition_state,
+    block_table_state,
+    block_table_states,
+    kv_usage_state,
+    prefix_tree_state,
+    seq_colors,
+)
+from nanoengine.viz.static import plot_batch_composition, plot_block_table, plot_kv_usage, plot_prefix_tree
+from nanoengine.viz.widgets import (
+    BatchCompositionView,
+    BlockTableView,
+    KVUsageView,
+    PrefixTreeView,
+    StepTimeline,
+    show_timeline,
+)
+
+__all__ = [
+    "BatchCompositionState", "BlockCell", "BlockTableState", "KVUsageState", "PrefixTreeState",
+    "batch_composition_state", "block_table_state", "block_table_states", "kv_usage_state", "prefix_tree_state",
+    "seq_colors", "plot_batch_composition", "plot_block_table", "plot_kv_usage", "plot_prefix_tree",
+    "BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "StepTimeline", "show_timeline",
+]

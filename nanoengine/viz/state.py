@@ -1,0 +1,463 @@
+"""What the views show, as plain data computed from a `RunTrace`. Chapters 03 (blocks), 04 (prefix sharing),
+05 (batch composition) and the step timeline.
+
+Every view (HTML widget or matplotlib figure) draws one of these small dataclasses and nothing else, so tests
+check the state and the drawings stay thin. No matplotlib, no ipywidgets, no torch here.
+
+- `block_table_states(trace)`: the KV pool after each step, one `BlockCell` per physical block.
+- `batch_composition_state(trace)`: one stacked bar per step, prefill / decode tokens per sequence.
+- `kv_usage_state(trace)`: used and cached-free blocks, and the prefix-cache hit rate, over the steps.
+- `prefix_tree_state(trace)`: the requests' prompts as paths over full blocks (a trie), hits vs misses.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoengine.engine.block_manager import BlockManager  # pure Python: the chained hash, no torch
+from nanoengine.trace import RunTrace, StepTrace
+
+# Owner colours: matplotlib's tab10 then its light tab20 partners, without the greys (greys mean "free").
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
+)
+FREE_COLOR = "#eeeeee"
+CACHED_COLOR = "#fffbe6"  # free, but still holds a hashed prefix: a prefix-cache hit can revive it
+PREEMPT_COLOR = "#d62728"
+FINISH_COLOR = "#222222"
+
+FREE, USED, SHARED, CACHED = "free", "used", "shared", "cached"
+
+
+def ink(color: str) -> str:
+    """Black or white, whichever reads better on the hex colour `color`."""
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "#ffffff"
+
+
+def check_trace(trace: Any) -> RunTrace:
+    """Raise a clear error unless `trace` is a recorded, non-empty RunTrace."""
+    if trace is None:
+        raise ValueError("no trace: create the engine with LLM(..., trace=True) and call generate() first, "
+                         "then pass llm.trace")
+    if not isinstance(trace, RunTrace):
+        raise TypeError(f"expected a nanoengine.trace.RunTrace (llm.trace), got {type(trace).__name__}")
+    if not trace.steps:
+        raise ValueError("the trace has no steps: generate() recorded nothing (was the prompt list empty?)")
+    return trace
+
+
+def check_step(trace: RunTrace, step: int) -> int:
+    n = len(trace.steps)
+    if isinstance(step, bool):
+        raise TypeError("step must be an int, got bool")
+    step = operator.index(step)  # ints and numpy integers; TypeError otherwise
+    if step < 0:
+        step += n
+    if not 0 <= step < n:
+        raise IndexError(f"step {step} is outside this trace's steps 0..{n - 1}")
+    return step
+
+
+def seq_ids(trace: RunTrace) -> list[int]:
+    """Every sequence id in the trace, in order."""
+    ids = set(trace.prompts)
+    for s in trace.steps:
+        ids.update(e.seq_id for e in s.scheduled)
+        ids.update(s.block_tables)
+    return sorted(ids)
+
+
+def seq_colors(trace: RunTrace) -> dict[int, str]:
+    """One colour per sequence for the whole run (the same in every step and every view)."""
+    return {sid: PALETTE[i % len(PALETTE)] for i, sid in enumerate(seq_ids(trace))}
+
+
+def short_text(tokenizer: Any, token_ids: list[int] | tuple[int, ...], limit: int = 40) -> str:
+    """Token ids as readable text (decoded when a tokenizer is given), cut to `limit` characters."""
+    if not token_ids:
+        return ""
+    if tokenizer is not None:
+        text = tokenizer.decode(list(token_ids))
+        text = repr(text)[1:-1]  # show newlines and tabs as escapes
+    else:
+        text = "ids " + " ".join(str(t) for t in token_ids)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---------------------------------------------------------------------------------------------- block table
+@dataclass(frozen=True)
+class BlockCell:
+    """One physical KV block after a step."""
+
+    block_id: int
+    status: str  # "free" | "used" | "shared" (ref count > 1) | "cached" (free but still hashed)
+    owners: tuple[int, ...]  # seq ids whose block tables hold it, in seq-id order
+    ref_count: int  # the block manager's count (0 when free)
+    colors: tuple[str, ...]  # one per owner; (FREE_COLOR,) or (CACHED_COLOR,) when nobody holds it
+    fill: int  # token slots with computed K/V (0..block_size)
+    hash: int | None = None  # chained prefix hash once full and computed
+    tokens: tuple[int, ...] = ()  # the token ids of a hashed block
+    last_owner: int | None = None  # for free / cached blocks: who held it last
+    new: bool = False  # became used in this step
+
+    @property
+    def color(self) -> str:
+        return self.colors[0]
+
+
+@dataclass
+class BlockTableState:
+    """The KV pool and every running sequence's block table right after one step."""
+
+    step: int
+    num_blocks: int
+    block_size: int
+    cells: list[BlockCell]
+    tables: dict[int, list[int]]  # running seq_id -> physical block ids (logical order)
+    computed_tokens: dict[int, int]  # running seq_id -> tokens with K/V in the cache
+    seq_colors: dict[int, str]  # the whole run's colours
+    scheduled: list[tuple[int, int, int]]  # (seq_id, prefill tokens, decode tokens) this step
+    cache_hits: list[tuple[int, int]]
+    preempted: list[int]
+    finished: list[int]
+    num_free_blocks: int
+
+    @property
+    def ref_counts(self) -> dict[int, int]:
+        """block_id -> ref count, for used blocks (the same shape as StepTrace.ref_counts)."""
+        return {c.block_id: c.ref_count for c in self.cells if c.ref_count > 0}
+
+    @property
+    def colors(self) -> list[str]:
+        return [c.color for c in self.cells]
+
+    @property
+    def shared(self) -> list[BlockCell]:
+        return [c for c in self.cells if c.status == SHARED]
+
+    @property
+    def num_used(self) -> int:
+        return sum(c.ref_count > 0 for c in self.cells)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(c.status == CACHED for c in self.cells)
+
+
+def block_table_states(trace: RunTrace, upto: int | None = None) -> list[BlockTableState]:
+    """The pool after every step 0..upto (all steps by default), computed in one pass over the trace."""
+    trace = check_trace(trace)
+    last = len(trace.steps) - 1 if upto is None else check_step(trace, upto)
+    colors = seq_colors(trace)
+    computed: dict[int, int] = {}  # seq_id -> tokens with K/V, replayed from the scheduled entries
+    last_owner: dict[int, int] = {}
+    prev_used: set[int] = set()
+    states = []
+    for s in trace.steps[: last + 1]:
+        for sid in s.preempted:
+            computed.pop(sid, None)
+        for e in s.scheduled:
+            computed[e.seq_id] = e.num_computed_before + e.prefill_tokens + e.decode_tokens
+        for sid in s.finished:
+            computed.pop(sid, None)
+        states.append(_block_table_state(trace, s, colors, computed, last_owner, prev_used))
+        prev_used = set(s.ref_counts)
+        for sid, table in s.block_tables.items():
+            for b in table:
+                last_owner[b] = sid
+    return states
+
+
+def block_table_state(trace: RunTrace, step: int) -> BlockTableState:
+    """The pool right after `step` (negative counts from the end)."""
+    return block_table_states(trace, step)[-1]
+
+
+def _block_table_state(trace: RunTrace, s: StepTrace, colors: dict[int, str], computed: dict[int, int],
+                       last_owner: dict[int, int], prev_used: set[int]) -> BlockTableState:
+    bs = trace.block_size
+    num_blocks = s.num_blocks or trace.num_blocks
+    owners: dict[int, list[int]] = {}
+    fill: dict[int, int] = {}
+    for sid in sorted(s.block_tables):
+        done = computed.get(sid, 0)
+        for i, b in enumerate(s.block_tables[sid]):
+            owners.setdefault(b, []).append(sid)
+            fill[b] = max(fill.get(b, 0), min(bs, max(0, done - i * bs)))
+    cached = set(s.cached_free_blocks)
+    tokens = getattr(s, "block_tokens", {}) or {}
+    cells = []
+    for b in range(num_blocks):
+        ref = s.ref_counts.get(b, 0)
+        own = tuple(owners.get(b, ()))
+        h = s.block_hashes.get(b)
+        if own:
+            status = SHARED if ref > 1 else USED
+            cell_colors = tuple(colors[o] for o in own)
+        elif b in cached:
+            status, cell_colors = CACHED, (CACHED_COLOR,)
+        else:
+            status, cell_colors = FREE, (FREE_COLOR,)
+        cells.append(BlockCell(
+            block_id=b, status=status, owners=own, ref_count=ref, colors=cell_colors,
+            fill=fill.get(b, bs if status == CACHED else 0), hash=h, tokens=tuple(tokens.get(b, ())),
+            last_owner=None if own else last_owner.get(b), new=ref > 0 and b not in prev_used))
+    return BlockTableState(
+        step=s.step, num_blocks=num_blocks, block_size=bs, cells=cells,
+        tables={sid: list(t) for sid, t in sorted(s.block_tables.items())},
+        computed_tokens={sid: computed.get(sid, 0) for sid in sorted(s.block_tables)},
+        seq_colors=colors,
+        scheduled=[(e.seq_id, e.prefill_tokens, e.decode_tokens) for e in s.scheduled],
+        cache_hits=list(s.cache_hits), preempted=list(s.preempted), finished=list(s.finished),
+        num_free_blocks=s.num_free_blocks)
+
+
+# ---------------------------------------------------------------------------------------- batch composition
+@dataclass(frozen=True)
+class BarSegment:
+    step: int
+    seq_id: int
+    kind: str  # "prefill" | "decode"
+    tokens: int
+    bottom: int  # stacked: tokens below this segment in the step's bar
+    color: str
+
+
+@dataclass
+class BatchCompositionState:
+    """One stacked bar per step: how many prefill and decode tokens each sequence put in the batch."""
+
+    num_steps: int
+    segments: list[BarSegment]
+    totals: list[int]  # sum of the segments per step
+    num_batched_tokens: list[int]  # what the scheduler reported per step
+    budgets: list[int]  # max_num_batched_tokens per step
+    preempted: dict[int, list[int]]  # step -> seq ids preempted in it
+    finished: dict[int, list[int]]
+    admitted: dict[int, list[tuple[int, int]]]  # step -> (seq_id, prefix-cache hit tokens)
+    seq_colors: dict[int, str]
+
+    def bar(self, step: int) -> list[BarSegment]:
+        return [g for g in self.segments if g.step == step]
+
+    @property
+    def max_budget(self) -> int:
+        return max(self.budgets) if self.budgets else 0
+
+
+def batch_composition_state(trace: RunTrace) -> BatchCompositionState:
+    trace = check_trace(trace)
+    colors = seq_colors(trace)
+    segments, totals = [], []
+    for s in trace.steps:
+        bottom = 0
+        for e in s.scheduled:
+            for kind, n in (("prefill", e.prefill_tokens), ("decode", e.decode_tokens)):
+                if n:
+                    segments.append(BarSegment(s.step, e.seq_id, kind, n, bottom, colors[e.seq_id]))
+                    bottom += n
+        totals.append(bottom)
+    return BatchCompositionState(
+        num_steps=len(trace.steps), segments=segments, totals=totals,
+        num_batched_tokens=[s.num_batched_tokens for s in trace.steps],
+        budgets=[s.token_budget for s in trace.steps],
+        preempted={s.step: list(s.preempted) for s in trace.steps if s.preempted},
+        finished={s.step: list(s.finished) for s in trace.steps if s.finished},
+        admitted={s.step: list(s.cache_hits) for s in trace.steps if s.cache_hits},
+        seq_colors=colors)
+
+
+# ---------------------------------------------------------------------------------------------- KV usage
+@dataclass
+class KVUsageState:
+    """Pool occupancy and prefix-cache effectiveness over the steps."""
+
+    num_blocks: int
+    used_blocks: list[int]
+    cached_free_blocks: list[int]
+    hit_tokens: list[int]  # cumulative prefix-cache hit tokens
+    prefill_tokens: list[int]  # cumulative prompt tokens actually computed
+    preempt_steps: list[int]
+    time: list[float]
+
+    @property
+    def usage(self) -> list[float]:
+        return [u / self.num_blocks for u in self.used_blocks]
+
+    @property
+    def cached_fraction(self) -> list[float]:
+        return [c / self.num_blocks for c in self.cached_free_blocks]
+
+    @property
+    def hit_rate(self) -> list[float]:
+        """Cumulative share of prompt tokens served by the prefix cache instead of computed."""
+        return [h / (h + p) if h + p else 0.0 for h, p in zip(self.hit_tokens, self.prefill_tokens)]
+
+
+def kv_usage_state(trace: RunTrace) -> KVUsageState:
+    trace = check_trace(trace)
+    hits = prefill = 0
+    hit_tokens, prefill_tokens = [], []
+    for s in trace.steps:
+        hits += sum(n for _, n in s.cache_hits)
+        prefill += s.prefill_tokens
+        hit_tokens.append(hits)
+        prefill_tokens.append(prefill)
+    num_blocks = trace.steps[0].num_blocks or trace.num_blocks
+    return KVUsageState(
+        num_blocks=num_blocks, used_blocks=[s.num_blocks - s.num_free_blocks for s in trace.steps],
+        cached_free_blocks=[len(s.cached_free_blocks) for s in trace.steps], hit_tokens=hit_tokens,
+        prefill_tokens=prefill_tokens, preempt_steps=[s.step for s in trace.steps if s.preempted],
+        time=[s.time for s in trace.steps])
+
+
+# ---------------------------------------------------------------------------------------------- prefix tree
+@dataclass
+class PrefixNode:
+    """One full prompt block, named by the whole prefix up to it (as the chained hash names it)."""
+
+    node_id: int
+    parent: int | None  # None for the root (the empty prefix)
+    depth: int  # logical block index + 1 (root: 0)
+    tokens: tuple[int, ...]
+    hash: int | None  # the block manager's chained hash of this prefix (None for the root)
+    seq_ids: list[int] = field(default_factory=list)  # requests whose prompt passes through here
+    hits: int = 0  # admissions that reused this block from the prefix cache
+    misses: int = 0  # admissions that computed it
+    block_ids: list[int] = field(default_factory=list)  # physical blocks seen holding this prefix
+    children: list[int] = field(default_factory=list)
+    x: float = 0.0
+    y: float = 0.0
+
+
+@dataclass
+class PrefixLeaf:
+    """Where a request ends: its last full block node, plus the tokens of its partial tail block."""
+
+    seq_id: int
+    node_id: int
+    tail_tokens: int
+    prompt_tokens: int
+    hit_tokens: int  # prefix-cache hit tokens at its first admission
+    x: float = 0.0
+    y: float = 0.0
+
+
+@dataclass
+class PrefixTreeState:
+    block_size: int
+    nodes: list[PrefixNode]
+    leaves: list[PrefixLeaf]
+    seq_colors: dict[int, str]
+    hit_tokens: int  # over all admissions (readmissions after preemption too)
+    prompt_tokens: int
+
+    @property
+    def root(self) -> PrefixNode:
+        return self.nodes[0]
+
+    def path(self, seq_id: int) -> list[PrefixNode]:
+        """The nodes from the root's first child down to the request's last full block."""
+        leaf = next((lf for lf in self.leaves if lf.seq_id == seq_id), None)
+        if leaf is None:
+            raise KeyError(f"seq {seq_id} is not in this trace's prompts {sorted(self.seq_colors)}")
+        out, node = [], self.nodes[leaf.node_id]
+        while node.parent is not None:
+            out.append(node)
+            node = self.nodes[node.parent]
+        return out[::-1]
+
+    @property
+    def max_depth(self) -> int:
+        return max(n.depth for n in self.nodes)
+
+
+def prefix_tree_state(trace: RunTrace) -> PrefixTreeState:
+    trace = check_trace(trace)
+    bs = trace.block_size
+    colors = seq_colors(trace)
+    nodes = [PrefixNode(0, None, 0, (), None)]
+    by_prefix: dict[tuple[int, ...], int] = {(): 0}
+    hash_to_blocks: dict[int, set[int]] = {}
+    for s in trace.steps:
+        for b, h in s.block_hashes.items():
+            hash_to_blocks.setdefault(h, set()).add(b)
+    leaf_node: dict[int, int] = {}
+    for sid in sorted(trace.prompts):
+        prompt = trace.prompts[sid]
+        parent, h = 0, None
+        nodes[0].seq_ids.append(sid)
+        for i in range(len(prompt) // bs):
+            prefix = tuple(prompt[: (i + 1) * bs])
+            block = tuple(prompt[i * bs: (i + 1) * bs])
+            h = BlockManager.compute_hash(list(block), h)
+            nid = by_prefix.get(prefix)
+            if nid is None:
+                nid = len(nodes)
+                by_prefix[prefix] = nid
+                nodes.append(PrefixNode(nid, parent, i + 1, block, h,
+                                        block_ids=sorted(hash_to_blocks.get(h, ()))))
+                nodes[parent].children.append(nid)
+            nodes[nid].seq_ids.append(sid)
+            parent = nid
+        leaf_node[sid] = parent
+    # hits and misses per admission (a preempted sequence is admitted again and may hit its own blocks)
+    first_hit: dict[int, int] = {}
+    total_hits = 0
+    for s in trace.steps:
+        for sid, hit in s.cache_hits:
+            total_hits += hit
+            first_hit.setdefault(sid, hit)
+            if sid not in leaf_node:
+                continue
+            for depth, node in enumerate(_path(nodes, leaf_node[sid]), start=1):
+                if depth * bs <= hit:
+                    node.hits += 1
+                else:
+                    node.misses += 1
+    leaves = [PrefixLeaf(sid, leaf_node[sid], len(trace.prompts[sid]) % bs, len(trace.prompts[sid]),
+                         first_hit.get(sid, 0)) for sid in sorted(trace.prompts)]
+    state = PrefixTreeState(bs, nodes, leaves, colors, total_hits, trace.prompt_tokens)
+    _layout(state)
+    return state
+
+
+def _path(nodes: list[PrefixNode], nid: int) -> list[PrefixNode]:
+    out = []
+    while nodes[nid].parent is not None:
+        out.append(nodes[nid])
+        nid = nodes[nid].parent
+    return out[::-1]
+
+
+def _layout(state: PrefixTreeState) -> None:
+    """Tidy tree, left to right: x = block depth, leaves one row each in depth-first order."""
+    leaves_at: dict[int, list[PrefixLeaf]] = {}
+    for leaf in state.leaves:
+        leaves_at.setdefault(leaf.node_id, []).append(leaf)
+    leaf_x = state.max_depth + 1
+    row = 0
+
+    def place(nid: int) -> float:
+        nonlocal row
+        node = state.nodes[nid]
+        # requests ending here and subtrees below, in the order their first request arrived
+        items = [(lf.seq_id, lf) for lf in leaves_at.get(nid, [])]
+        items += [(min(state.nodes[c].seq_ids), c) for c in node.children]
+        ys = []
+        for _, item in sorted(items, key=lambda kv: kv[0]):
+            if isinstance(item, PrefixLeaf):
+                item.x, item.y = leaf_x, float(row)
+                ys.append(item.y)
+                row += 1
+            else:
+                ys.append(place(item))
+        node.x = float(node.depth)
+        node.y = sum(ys) / len(ys) if ys else float(row)
+        return node.y
+
+    place(0)
