@@ -26,14 +26,17 @@ demo: assets
 lab: assets
 	$(VENV)/bin/jupyter lab book/
 
+# The exercise tests run against the reference solutions here; a learner runs them against exercises/:
+#   .venv/bin/pytest tests/exercises/test_ch03_paged_kv.py
 test: assets
-	$(PY) -m pytest -n $(JOBS) --dist loadgroup tests
+	NANOENGINE_IMPL=solutions $(PY) -m pytest -n $(JOBS) --dist loadgroup tests
 
-test-fast: setup
-	$(PY) -m pytest -n $(JOBS) -m "not slow and not notebooks" tests
+test-fast: assets
+	NANOENGINE_IMPL=solutions $(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not slow and not notebooks" tests
 
 lint: setup
-	$(VENV)/bin/ruff check nanoengine tests solutions
+	$(VENV)/bin/ruff check nanoengine tests solutions scripts figures
+	$(PY) scripts/make_exercises.py --check
 
 figures: assets
 	MPLBACKEND=Agg $(PY) figures/make_figures.py

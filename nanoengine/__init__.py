@@ -18,10 +18,13 @@ _EXPORTS = {
     "CompletionOutput": "nanoengine.outputs",
     "EngineConfig": "nanoengine.config",
 }
+_SUBMODULES = {"check", "assets", "viz"}
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:  # nanoengine.check("ch03") from a notebook
+        return import_module(f"nanoengine.{name}")
     raise AttributeError(f"module 'nanoengine' has no attribute {name!r}")

@@ -18,6 +18,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# --impl for the exercise tests (tests/exercises/conftest.py reads it), here so that it also works from the root
+def pytest_addoption(parser):
+    parser.addoption("--impl", default=None,
+                     help="chapter modules to test: exercises (default), solutions, or a folder path "
+                          "(also NANOENGINE_IMPL)")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -1,0 +1,172 @@
+"""nanoengine.check("ch03"): run one chapter's exercise tests and print a short pass/fail table.
+Used by the check cell at the end of every book chapter (00-08).
+
+The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
+exercises/ files are always picked up without restarting the kernel. By default they test your
+exercises/; `impl="solutions"` tests the reference answers (or set NANOENGINE_IMPL).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")
+_EXERCISE = re.compile(r"Exercise (\d+)\.(\d+): (.+?)\.?(?:\"\"\"|''')?\s*$")
+
+
+@dataclass
+class TestResult:
+    name: str
+    exercise: str  # "3.1"
+    outcome: str  # "pass", "todo" (NotImplementedError), "fail"
+    message: str = ""
+
+
+@dataclass
+class ChapterResult:
+    chapter: str  # "ch03"
+    impl: str
+    tests: list[TestResult] = field(default_factory=list)
+    exercises: dict[str, str] = field(default_factory=dict)  # "3.1" -> title
+    error: str = ""  # set when pytest could not run the tests at all
+
+    def status(self, exercise: str) -> str:
+        outcomes = {t.outcome for t in self.tests if t.exercise == exercise}
+        if not outcomes:
+            return "no test"
+        if outcomes == {"pass"}:
+            return "PASS"
+        return "todo" if outcomes == {"todo"} else "FAIL"
+
+    def __repr__(self) -> str:
+        done = sum(self.status(n) == "PASS" for n in self.exercises)
+        return f"<{self.chapter}: {done} of {len(self.exercises)} exercises pass ({self.impl})>"
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and bool(self.tests) and all(t.outcome == "pass" for t in self.tests)
+
+    def table(self) -> str:
+        lines = [f"{self.chapter} exercises ({self.impl})"]
+        if self.error:
+            return "\n".join(lines + [f"  could not run the tests: {self.error}"])
+        numbers = sorted(set(self.exercises) | {t.exercise for t in self.tests},
+                         key=lambda s: tuple(int(x) for x in s.split(".")))
+        width = max((len(self.exercises.get(n, "")) for n in numbers), default=0)
+        width = min(max(width, 10), 60)
+        for n in numbers:
+            tests = [t for t in self.tests if t.exercise == n]
+            ok = sum(t.outcome == "pass" for t in tests)
+            title = self.exercises.get(n, "")
+            title = title if len(title) <= width else title[: width - 3] + "..."
+            lines.append(f"  {n:>5}  {title:<{width}}  {self.status(n):<7} {ok}/{len(tests)} tests")
+            first_fail = next((t for t in tests if t.outcome == "fail"), None)
+            if first_fail is not None:
+                lines.append(f"         -> {first_fail.name}: {_shorten(first_fail.message, 300)}")
+        done = sum(self.status(n) == "PASS" for n in numbers)
+        lines.append(f"{done} of {len(numbers)} exercises pass.")
+        return "\n".join(lines)
+
+
+def _shorten(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _chapter_files(chapter: str | int) -> tuple[str, list[Path]]:
+    m = re.fullmatch(r"(?:ch)?(\d{1,2})", str(chapter).strip().lower())
+    if not m:
+        raise ValueError(f"chapter {chapter!r}: use 'ch03', '03' or 3")
+    nn = f"{int(m.group(1)):02d}"
+    tests_dir = ROOT / "tests" / "exercises"
+    if not tests_dir.is_dir():
+        raise FileNotFoundError(f"{tests_dir} not found: nanoengine.check needs the source checkout "
+                                "(git clone, then pip install -e .)")
+    files = sorted(tests_dir.glob(f"test_ch{nn}_*.py"))
+    if not files:
+        raise FileNotFoundError(f"no exercise tests for chapter {nn} in {tests_dir}")
+    return f"ch{nn}", files
+
+
+def _exercise_titles(impl_dir: Path, chapter: str) -> dict[str, str]:
+    titles: dict[str, str] = {}
+    for path in sorted(impl_dir.glob(f"{chapter}_*.py")):
+        for line in path.read_text().splitlines():
+            m = _EXERCISE.search(line)
+            if m and f"{m.group(1)}.{m.group(2)}" not in titles:
+                titles[f"{m.group(1)}.{m.group(2)}"] = m.group(3).split(" - see book/")[0]
+    return titles
+
+
+def _parse_junit(path: Path) -> list[TestResult]:
+    results = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "")
+        m = _TEST_NAME.match(name)
+        exercise = f"{m.group(1)}.{m.group(2)}" if m else "?"
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        skipped = case.find("skipped")
+        if problem is not None:
+            message = problem.get("message") or (problem.text or "")
+            outcome = "todo" if "NotImplementedError" in message else "fail"
+            results.append(TestResult(name, exercise, outcome, message))
+        elif skipped is not None:
+            results.append(TestResult(name, exercise, "fail", "skipped: " + (skipped.get("message") or "")))
+        else:
+            results.append(TestResult(name, exercise, "pass"))
+    return results
+
+
+def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> ChapterResult:
+    """Run a chapter's exercise tests; return the results (check() prints them)."""
+    name, files = _chapter_files(chapter)
+    impl = impl or os.environ.get("NANOENGINE_IMPL") or "exercises"
+    impl_dir = ROOT / impl if impl in ("exercises", "solutions") else Path(impl)
+    result = ChapterResult(name, f"{impl}/" if impl in ("exercises", "solutions") else impl,
+                           exercises=_exercise_titles(impl_dir, name))
+    env = dict(os.environ, NANOENGINE_IMPL=impl, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "results.xml"
+        cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
+               "-o", "addopts=", "--tb=line", f"--junitxml={xml}"]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            result.error = f"the tests took more than {timeout:.0f} s"
+            return result
+        if not xml.is_file() or proc.returncode not in (0, 1):
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            result.error = f"pytest exited with code {proc.returncode}:\n" + "\n".join(tail)
+            if xml.is_file():
+                result.tests = _parse_junit(xml)
+            return result
+        result.tests = _parse_junit(xml)
+    return result
+
+
+def check(chapter: str | int, impl: str | None = None) -> ChapterResult:
+    """Run chapter `chapter`'s exercise tests (your exercises/ by default) and print a pass/fail table."""
+    result = run(chapter, impl)
+    print(result.table())
+    return result
+
+
+class _CallableModule(types.ModuleType):
+    """So that `nanoengine.check("ch03")` works whether `nanoengine.check` is this module or the function."""
+
+    def __call__(self, chapter: str | int, impl: str | None = None) -> ChapterResult:
+        return check(chapter, impl)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,112 @@
+"""Chapter 01, book/01_tokenization.ipynb: byte-level BPE on the real Qwen3 vocabulary, chat prompts,
+incremental detokenization.
+
+Exercise 1.1: BPE-merge one pre-token by merge ranks.
+Exercise 1.2: encode a whole text: normalize, pre-tokenize, merge, look up ids.
+Exercise 1.3: incremental decoding that never splits a UTF-8 character.
+Exercise 1.4: build the Qwen3 chat prompt by hand.
+
+`load_ranks` and `PATTERN` are given: the vocabulary as {token bytes: id} and Qwen3's pre-tokenizer regex.
+"""
+
+from __future__ import annotations
+
+import codecs
+import unicodedata
+from typing import Any
+
+import regex
+
+from nanoengine.assets import QWEN_PATTERN as PATTERN  # Qwen3's pre-tokenizer regex (needs `regex`, not `re`)
+
+__all__ = ["PATTERN", "load_ranks", "bpe_merge", "encode", "stream_decode", "chat_prompt"]
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (how byte-level vocabularies are stored as text)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def load_ranks(tokenizer: Any) -> dict[bytes, int]:
+    """The BPE vocabulary as {token bytes: id}; for Qwen3 the id is also the merge rank (lower merges first).
+    Special tokens (<|im_start|> ...) are not part of it."""
+    decode = {c: b for b, c in byte_to_unicode().items()}
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)  # {"Ġworld": 1879, ...}
+    return {bytes(decode[c] for c in token): i for token, i in vocab.items()}
+
+
+def bpe_merge(piece: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """Exercise 1.1: split one pre-token into BPE tokens.
+
+    If `piece` is itself a token, return [piece]. Otherwise start from single bytes and repeatedly merge
+    the adjacent pair whose concatenation has the lowest rank in `ranks`, until no adjacent pair
+    concatenates to a token. Return the parts (their concatenation is `piece`).
+    """
+    # BEGIN SOLUTION
+    if piece in ranks:
+        return [piece]
+    parts = [bytes([b]) for b in piece]
+    while len(parts) > 1:
+        best, best_rank = -1, None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best_rank is None or rank < best_rank):
+                best, best_rank = i, rank
+        if best_rank is None:
+            break
+        parts[best: best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+    # END SOLUTION
+
+
+def encode(text: str, ranks: dict[bytes, int]) -> list[int]:
+    """Exercise 1.2: the token ids of `text` (no special tokens), as Qwen3's tokenizer computes them.
+
+    NFC-normalize the text, split it into pre-tokens with `regex.finditer(PATTERN, text)`, encode each
+    pre-token as UTF-8, BPE-merge it (Exercise 1.1) and look each part's id up in `ranks`.
+    """
+    # BEGIN SOLUTION
+    text = unicodedata.normalize("NFC", text)
+    ids = []
+    for m in regex.finditer(PATTERN, text):
+        ids += [ranks[part] for part in bpe_merge(m.group().encode("utf-8"), ranks)]
+    return ids
+    # END SOLUTION
+
+
+def stream_decode(token_ids: list[int], token_bytes: dict[int, bytes]) -> list[str]:
+    """Exercise 1.3: one text delta per token, never splitting a UTF-8 character.
+
+    `token_bytes[id]` is the token's bytes. A token may end in the middle of a multi-byte character: hold
+    those bytes back until the token that completes the character, then emit the character in that
+    token's delta. Delta i is exactly the text completed by token i (possibly ''); the deltas joined are
+    the full decoded text. (Any byte sequence that can never become valid UTF-8 decodes to U+FFFD.)
+    """
+    # BEGIN SOLUTION
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return [decoder.decode(token_bytes[t]) for t in token_ids]
+    # END SOLUTION
+
+
+def chat_prompt(messages: list[dict[str, str]], enable_thinking: bool = True) -> str:
+    """Exercise 1.4: the Qwen3 chat prompt for a conversation, ready for the assistant's next turn.
+
+    Each message becomes `<|im_start|>{role}\\n{content}<|im_end|>\\n` (roles: an optional first "system",
+    then "user" and "assistant" turns; the last message is from the user). Then add
+    `<|im_start|>assistant\\n`, and when `enable_thinking` is False also an empty thinking block
+    `<think>\\n\\n</think>\\n\\n`, which tells Qwen3 to answer without reasoning first.
+    """
+    # BEGIN SOLUTION
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    text += "<|im_start|>assistant\n"
+    if not enable_thinking:
+        text += "<think>\n\n</think>\n\n"
+    return text
+    # END SOLUTION

@@ -1,0 +1,57 @@
+"""Comparisons for the exercise tests whose failure messages say what differs and where to read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def book(chapter_file: str, exercise: str) -> str:
+    return f"(Exercise {exercise}; see book/{chapter_file})"
+
+
+def _fmt(x: Any) -> str:
+    s = repr(x)
+    return s if len(s) < 120 else s[:117] + "..."
+
+
+def assert_same_list(got: Any, want: list, what: str, where: str) -> None:
+    """Equal sequences, or a message with the length or the first differing index."""
+    if got is None or not hasattr(got, "__len__"):
+        raise AssertionError(f"{what}: expected a list of {len(want)} items, got {_fmt(got)} {where}")
+    got = list(got)
+    if len(got) != len(want):
+        raise AssertionError(f"{what}: length {len(got)}, expected {len(want)}; yours {_fmt(got)}, "
+                             f"expected {_fmt(want)} {where}")
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            raise AssertionError(f"{what}: first difference at index {i}: yours {_fmt(a)}, expected {_fmt(b)}"
+                                 f" (yours {_fmt(got[max(0, i - 3): i + 4])} vs expected "
+                                 f"{_fmt(want[max(0, i - 3): i + 4])} around it) {where}")
+
+
+def assert_equal(got: Any, want: Any, what: str, where: str) -> None:
+    if got != want:
+        raise AssertionError(f"{what}: yours {_fmt(got)}, expected {_fmt(want)} {where}")
+
+
+def assert_close(got: Any, want: torch.Tensor, what: str, where: str, atol: float = 1e-5,
+                 rtol: float = 1e-5, check_dtype: bool = True) -> None:
+    """Same shape (and dtype), values within tolerance; else the max error and the first wrong index."""
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor of shape {tuple(want.shape)}, got "
+                             f"{type(got).__name__} {where}")
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)} {where}")
+    if check_dtype and got.dtype != want.dtype:
+        raise AssertionError(f"{what}: dtype {got.dtype}, expected {want.dtype} {where}")
+    g, w = got.detach().double(), want.detach().double()
+    bad = ~torch.isclose(g, w, atol=atol, rtol=rtol, equal_nan=False)
+    if bad.any():
+        err = (g - w).abs().nan_to_num(float("inf"))
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} values differ, max abs error {float(err.max()):.3g} "
+            f"(tolerance {atol:g} + {rtol:g} * |expected|); first wrong index {idx}: yours "
+            f"{float(g[idx]):.6g}, expected {float(w[idx]):.6g} {where}")

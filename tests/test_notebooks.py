@@ -1,0 +1,72 @@
+"""The book: every chapter executes top to bottom, headless, on one CPU thread within 2 minutes (cells
+tagged `gpu` are dropped without CUDA); notebooks are stored without outputs; each chapter has its
+exercises and a check cell."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+LIMIT_S = 120
+
+
+def cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def source(cell: dict) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def test_book_has_chapters():
+    names = [p.stem for p in NOTEBOOKS]
+    for nn in ("00", "01", "02", "03", "04"):
+        assert any(n.startswith(nn + "_") for n in names), f"book/{nn}_*.ipynb is missing (have {names})"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_stored_clean_with_exercises_and_check(path):
+    nn = path.name[:2]
+    for i, cell in enumerate(cells(path)):
+        if cell["cell_type"] == "code":
+            assert not cell.get("outputs") and cell.get("execution_count") is None, (
+                f"{path.name} cell {i} has stored outputs; clear them (Jupyter: Edit > Clear Outputs of All "
+                f"Cells) before committing")
+    text = "\n".join(source(c) for c in cells(path))
+    exercises = set(re.findall(rf"Exercise {int(nn)}\.(\d+)", text))
+    assert len(exercises) >= 3, f"{path.name} presents {len(exercises)} exercises; a chapter has at least 3"
+    assert re.search(rf"nanoengine\.check\(\s*[\"']ch{nn}[\"']\s*\)", text), (
+        f"{path.name} needs a check cell: nanoengine.check(\"ch{nn}\")")
+
+
+@pytest.mark.notebooks
+@pytest.mark.slow
+@pytest.mark.xdist_group("notebooks")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    import torch
+
+    # the kernel inherits this environment: one thread (two fight over two busy cores), no GUI backend
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    monkeypatch.delenv("MPLBACKEND", raising=False)
+    for var in [v for v in os.environ if v.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))]:
+        monkeypatch.delenv(var)
+    nb = nbformat.read(path, as_version=4)
+    if not torch.cuda.is_available():
+        nb.cells = [c for c in nb.cells if "gpu" not in c.get("metadata", {}).get("tags", [])]
+    client = nbclient.NotebookClient(nb, timeout=LIMIT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    t0 = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - t0
+    assert seconds < LIMIT_S, f"{path.name} took {seconds:.0f} s to execute; the limit is {LIMIT_S} s"
