@@ -28,11 +28,14 @@ lab: assets
 
 # The exercise tests run against the reference solutions here; a learner runs them against exercises/:
 #   .venv/bin/pytest tests/exercises/test_ch03_paged_kv.py
+# One OpenMP thread per process: two xdist workers (and the notebook kernels and subprocesses they start)
+# share two cores, and a 2-thread torch process next to a busy core runs ~40x slower.
+TEST_ENV := OMP_NUM_THREADS=1 NANOENGINE_IMPL=solutions
 test: assets
-	NANOENGINE_IMPL=solutions $(PY) -m pytest -n $(JOBS) --dist loadgroup tests
+	$(TEST_ENV) $(PY) -m pytest -n $(JOBS) --dist loadgroup tests
 
 test-fast: assets
-	NANOENGINE_IMPL=solutions $(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not slow and not notebooks" tests
+	$(TEST_ENV) $(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not slow and not notebooks" tests
 
 lint: setup
 	$(VENV)/bin/ruff check nanoengine tests solutions scripts figures
