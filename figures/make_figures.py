@@ -53,10 +53,10 @@ class Run:
 
 
 def run_pool_pressure() -> Run:
-    """tiny-qwen3, 14 blocks of 16 tokens, 4 seqs at a time: prefix sharing, cached-free blocks, a preemption."""
+    """tiny-qwen3, 12 blocks of 16 tokens, 4 seqs at a time: prefix sharing, cached-free blocks, a preemption."""
     from nanoengine import LLM, SamplingParams
 
-    llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=14, max_num_batched_tokens=64,
+    llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=64,
               max_num_seqs=4, enable_prefix_caching=True)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     t0 = time.perf_counter()

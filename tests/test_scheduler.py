@@ -341,6 +341,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, rng):
         sched, bm, bs = self.sched, self.bm, self.bs
+        computed_before = [(seq, seq.num_computed_tokens) for seq in sched.running]
         out = sched.schedule()
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= self.budget
         assert len(sched.running) <= self.max_seqs
@@ -352,6 +353,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert out.cache_hits == []
         bm.check_invariants(self.seqs)
         sampled = {}
+        # slots that held computed K/V before this step, of sequences that still hold them (not preempted)
+        valid_before = {(seq.block_table[pos // bs], pos % bs)
+                        for seq, n in computed_before if seq.block_table for pos in range(n)}
+        written = {}
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
@@ -359,9 +364,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             for pos in range(start, start + n):  # "run the model": write this position's K/V
                 slot = (seq.block_table[pos // bs], pos % bs)
                 value = tuple(seq.token_ids[:pos + 1])
-                if bm.blocks[slot[0]].ref_count > 1:  # a shared block may only be rewritten identically
-                    assert self.kv.get(slot) == value
-                self.kv[slot] = value
+                # K/V someone already relies on, or that another sequence writes this step (a block shared
+                # by a same-step prefix hit), may only be rewritten identically
+                if slot in valid_before:
+                    assert self.kv[slot] == value, f"overwrote computed K/V at {slot}"
+                if slot in written:
+                    assert written[slot] == value, f"two different writes to {slot} in one step"
+                written[slot] = value
+        self.kv.update(written)  # every layer stores the whole batch's K/V before anyone attends
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            for pos in range(start + n):  # what this sequence's attention reads this step
+                slot = (seq.block_table[pos // bs], pos % bs)
+                assert self.kv.get(slot) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
             if start + n == seq.num_tokens:
                 sampled[seq.seq_id] = EOS if rng.random() < 0.1 else rng.randrange(VOCAB)
         finished = sched.postprocess(out, sampled)
@@ -424,3 +440,25 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                          derandomize=True, database=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_same_step_admissions_share_a_prefix():
+    """Blocks are registered when scheduled, so a request admitted later in the same step already hits them
+    (each attention layer stores the whole batch's K/V before any sequence attends)."""
+    sched = make(budget=64, block_size=4)
+    a = seq_of(sched, list(range(10)) + [50, 51])
+    b = seq_of(sched, list(range(10)) + [60])
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert out.cache_hits == [(a.seq_id, 0), (b.seq_id, 8)]
+    assert plan(out) == [(a.seq_id, 12, True), (b.seq_id, 3, True)]
+    assert a.block_table[:2] == b.block_table[:2]
+    # a partial prefill chunk registers only the blocks it completes
+    sched = make(budget=6, block_size=4)
+    a, b = seq_of(sched, range(12)), seq_of(sched, range(12))
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert plan(out) == [(a.seq_id, 6, True)]
+    assert [sched.block_manager.blocks[i].hash is not None for i in a.block_table] == [True, False]

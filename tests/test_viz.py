@@ -54,7 +54,7 @@ MAX_TOKENS = [8, 40, 16, 48, 24, 36, 12, 40]
 def run(tiny_qwen3_path):
     from nanoengine import LLM, SamplingParams
 
-    llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=14, max_num_batched_tokens=64,
+    llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=64,
               max_num_seqs=4, enable_prefix_caching=True)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     llm.generate([SYSTEM + q for q in QUESTIONS], params, use_tqdm=False)

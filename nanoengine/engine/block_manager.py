@@ -137,12 +137,20 @@ class BlockManager:
         seq.block_table.extend(new_ids)
         return new_ids
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash and register every block of `seq` that is now full and computed and has no hash yet."""
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Hash and register every block of `seq` that is full and computed and has no hash yet.
+
+        `num_computed_tokens` (default: seq.num_computed_tokens) may count the tokens this step is about to
+        compute: the scheduler registers blocks as soon as they are scheduled, so a request admitted later in
+        the same step already hits them. That is safe because every attention layer stores the whole batch's
+        K/V before any sequence attends.
+        """
         if not self.enable_prefix_caching:
             return
         table = seq.block_table
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        num_full = min(num_computed_tokens // self.block_size, len(table))
         # hashed blocks form a prefix of the table: walk back to the first unhashed full block
         start = num_full
         while start > 0 and self.blocks[table[start - 1]].hash is None:

@@ -108,6 +108,7 @@ class Scheduler:
                 break
             is_prefill = seq.is_prefill
             out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)  # hits for later admissions
             out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
             budget -= n
             i += 1
@@ -137,6 +138,7 @@ class Scheduler:
                     continue
                 is_prefill = seq.is_prefill
                 out.blocks_allocated += bm.allocate(seq, n)
+                bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
