@@ -265,7 +265,11 @@ def ensure(name: str, force: bool = False) -> Path:
 def resolve_model(model: str | os.PathLike) -> Path:
     """An asset name or a local Hugging Face directory (e.g. a downloaded Qwen/Qwen3-0.6B) -> its folder."""
     if str(model) in ASSETS:
-        return ensure(str(model))
+        path = ensure(str(model))
+        if not (path / "config.json").is_file():
+            models = [n for n in ASSETS if n != "qwen3-tokenizer"]
+            raise FileNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; use one of {', '.join(models)}")
+        return path
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DEMO_QUESTIONS = [
@@ -88,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out-dir", default="bench_results")
     b.set_defaults(fn=lambda a: __import__("nanoengine.bench.run", fromlist=["main"]).main(a))
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (FileNotFoundError, ValueError, TypeError, KeyError) as e:
+        if os.environ.get("NANOENGINE_DEBUG"):
+            raise
+        print(f"nanoengine {args.cmd}: error: {e}", file=sys.stderr)
+        print("(set NANOENGINE_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -95,6 +95,16 @@ def test_resolve_model_errors(tmp_path):
         assets.resolve_model(tmp_path)
     with pytest.raises(KeyError, match="known assets"):
         assets.ensure("gpt-5")
+    with pytest.raises(FileNotFoundError, match="a tokenizer, not a model"):
+        assets.resolve_model("qwen3-tokenizer")
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys):
+    from nanoengine.cli import main
+
+    assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "neither an asset name" in err and "Traceback" not in err
 
 
 def test_local_checkpoint_path_is_accepted(tiny_qwen3_path):
