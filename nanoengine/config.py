@@ -91,6 +91,9 @@ class EngineConfig:
         model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_max
+        elif self.max_model_len > model_max:
+            raise ValueError(f"EngineConfig: max_model_len={self.max_model_len} is longer than the model's "
+                             f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
         return self
 
     @property

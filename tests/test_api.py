@@ -23,6 +23,15 @@ def no_leaks(llm):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_bad_engine_options_are_clear_errors():
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):
+        LLM("tiny-qwen3", max_model_len=10**6)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM("tiny-qwen3", block_size=0)
+    with pytest.raises(ValueError, match="can never fit the KV pool of 2 blocks"):
+        LLM("tiny-qwen3", num_kvcache_blocks=2, block_size=4).generate(["x " * 20], GREEDY, use_tqdm=False)
+
+
 def test_unknown_option_is_an_error():
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
         LLM("tiny-qwen3", max_num_seq=4)
