@@ -64,8 +64,9 @@ class LLM:
             while any(not r.finished for r in requests):
                 engine.step()
                 if bar is not None:
-                    bar.n = sum(r.finished for r in requests)
-                    bar.refresh()
+                    done = sum(r.finished for r in requests)
+                    if done != bar.n:
+                        bar.update(done - bar.n)
         except BaseException:
             for r in requests:  # leave the engine clean (e.g. after Ctrl-C)
                 engine.abort(r.request_id)
