@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from nanoengine import assets
 
@@ -16,6 +17,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+# CI runs the same hypothesis examples every time (main stays green or fails for a reason you can rerun);
+# locally, each run explores new examples and remembers failures in .hypothesis/.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 # --impl for the exercise tests (tests/exercises/conftest.py reads it), here so that it also works from the root

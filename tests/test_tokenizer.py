@@ -34,6 +34,12 @@ def test_deltas_sum_to_full_decode(qwen3_tokenizer_path):
         assert not any("\ufffd" in p for p in parts), f"a delta split a character: {parts}"
 
 
+def test_special_tokens_are_skipped_but_tags_kept():
+    tok = qwen3_tokenizer()
+    for text, want in [("a<|im_end|>b", "ab"), ("<|box_start|>", ""), ("<think>x</think>", "<think>x</think>")]:
+        assert "".join(deltas_for(tok, tok.encode(text, add_special_tokens=False))) == want
+
+
 def test_character_split_over_tokens_waits():
     tok = qwen3_tokenizer()
     char = next(c for c in "🦜𝕏𓀀🜁" if len(tok.encode(c, add_special_tokens=False)) > 1)
@@ -48,7 +54,7 @@ def test_character_split_over_tokens_waits():
 def test_any_text_round_trips(text):
     tok = qwen3_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
-    full = tok.decode(ids)
+    full = tok.decode(ids, skip_special_tokens=True)  # what the detokenizer emits by default
     parts = deltas_for(tok, ids)
     assert "".join(parts) == full
     assert all("\ufffd" not in p for p in parts[:-1]) or "\ufffd" in full
