@@ -13,6 +13,7 @@ JOBS ?= 2
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "nanoengine needs Python 3.11+, but $(PYTHON) is " + sys.version.split()[0] + "; run make PYTHON=python3.11 ...")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt -e ".[book,dev,assets]"
 	touch $@
