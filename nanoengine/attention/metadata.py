@@ -23,7 +23,3 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # cached prefix + new tokens
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_seq] int64
     block_size: int = 16
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
