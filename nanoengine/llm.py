@@ -67,19 +67,13 @@ class LLM:
                     done = sum(r.finished for r in requests)
                     if done != bar.n:
                         bar.update(done - bar.n)
-        except BaseException:
-            for r in requests:  # leave the engine clean (e.g. after Ctrl-C)
+            seconds = time.perf_counter() - t0
+            outputs = [r.output() for r in requests]
+        finally:  # let the engine forget these requests; after Ctrl-C this also aborts the unfinished ones
+            for r in requests:
                 engine.abort(r.request_id)
-            raise
-        finally:
             if bar is not None:
                 bar.close()
-        seconds = time.perf_counter() - t0
-        outputs = [r.output() for r in requests]
-        for r in requests:
-            engine.requests.pop(r.request_id, None)
-            for s in r.seqs:
-                engine.seq_to_request.pop(s.seq_id, None)
         n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         n_in = sum(len(o.prompt_token_ids) for o in outputs)
         self.last_run_stats = {"num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,

@@ -148,6 +148,7 @@ class LLMEngine:
         return req.request_id
 
     def abort(self, request_id: str) -> None:
+        """Forget a request: its unfinished sequences are aborted (blocks freed); finished ones just let go."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -172,8 +173,6 @@ class LLMEngine:
         """One engine step. Returns (request, completion index, text delta) for every new token."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        before = {s.seq.seq_id: s.seq.num_computed_tokens for s in out.scheduled}
-        prefill_flags = {s.seq.seq_id: s.is_prefill for s in out.scheduled}
         t1 = time.perf_counter()
         sampled = self.runner.run(out.scheduled) if out.scheduled else {}
         t2 = time.perf_counter()
@@ -215,7 +214,7 @@ class LLMEngine:
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
         if self.trace is not None:
-            self.record(out, before, prefill_flags, finished, t1 - t0, t2 - t1, now - t2)
+            self.record(out, finished, t1 - t0, t2 - t1, now - t2)
         self.step_count += 1
         return deltas
 
@@ -234,10 +233,11 @@ class LLMEngine:
                     best = (cut, stop, idx)
         return None if best is None else best[:2]
 
-    def record(self, out, before, prefill_flags, finished, schedule_s, forward_s, post_s) -> None:
+    def record(self, out, finished, schedule_s, forward_s, post_s) -> None:
         bm = self.block_manager
-        entries = [ScheduledEntry(s.seq.seq_id, 0 if not prefill_flags[s.seq.seq_id] else s.num_new_tokens,
-                                  1 if not prefill_flags[s.seq.seq_id] else 0, before[s.seq.seq_id])
+        # postprocess advanced num_computed_tokens by num_new_tokens; is_prefill is as scheduled
+        entries = [ScheduledEntry(s.seq.seq_id, s.num_new_tokens if s.is_prefill else 0, 0 if s.is_prefill else 1,
+                                  s.seq.num_computed_tokens - s.num_new_tokens)
                    for s in out.scheduled]
         used = {b.block_id: b.ref_count for b in bm.blocks if b.ref_count > 0}
         prev = self.trace.steps[-1].ref_counts if self.trace.steps else {}
