@@ -15,6 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
 LIMIT_S = 120
+# nbclient waits for each cell's reply with this timeout. Under load the client sometimes misses the zmq
+# wake-up for a reply that has already arrived (the kernel sat idle, seen with faulthandler) and only finds it
+# when the wait times out; a per-cell limit well above any cell's run time (< 10 s) bounds that stall.
+CELL_TIMEOUT_S = 40
 
 
 def cells(path: Path) -> list[dict]:
@@ -64,7 +68,7 @@ def test_notebook_executes(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     if not torch.cuda.is_available():
         nb.cells = [c for c in nb.cells if "gpu" not in c.get("metadata", {}).get("tags", [])]
-    client = nbclient.NotebookClient(nb, timeout=LIMIT_S, kernel_name="python3",
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     client.execute()
