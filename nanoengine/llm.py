@@ -54,6 +54,7 @@ class LLM:
             self.trace = engine.start_trace()
         for r in requests:
             engine.add(r)
+        engine.stats.clear()
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

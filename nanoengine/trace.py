@@ -11,6 +11,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StepStats:
+    """A few numbers per step, always recorded (cheap, unlike StepTrace): what the benchmark reads."""
+    num_seqs: int  # sequences in the batch
+    prefill_tokens: int
+    decode_tokens: int
+    used_blocks: int  # KV blocks held by running sequences after the step
+    num_blocks: int
+    cache_hit_tokens: int  # prompt tokens served from the prefix cache for sequences admitted this step
+    num_preempted: int
+    schedule_s: float  # scheduler
+    prepare_s: float  # model runner: building the flat inputs and attention metadata on the host
+    forward_s: float  # model runner: prepare + forward + sampling
+    postprocess_s: float  # appending tokens, stop checks, detokenization
+    time: float  # seconds since the engine was created, at the end of the step
+
+
+@dataclass
 class ScheduledEntry:
     seq_id: int
     prefill_tokens: int  # new prompt (or recomputed) tokens computed this step

@@ -22,7 +22,7 @@ from nanoengine.engine.sequence import Sequence
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from nanoengine.trace import RunTrace, ScheduledEntry, StepTrace
+from nanoengine.trace import RunTrace, ScheduledEntry, StepStats, StepTrace
 
 
 @dataclass
@@ -86,6 +86,7 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0
         self.trace: RunTrace | None = None
+        self.stats: list[StepStats] = []  # one per step; LLM.generate clears it at the start of a run
         self.start_time = time.perf_counter()
 
     # -------------------------------------------------------------------------------------- requests
@@ -213,6 +214,13 @@ class LLMEngine:
             self.runner.release(seq.seq_id)
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        self.stats.append(StepStats(
+            num_seqs=len(out.scheduled), prefill_tokens=num_prefill,
+            decode_tokens=out.num_batched_tokens - num_prefill, used_blocks=self.block_manager.num_used_blocks,
+            num_blocks=len(self.block_manager.blocks), cache_hit_tokens=sum(h for _, h in out.cache_hits),
+            num_preempted=len(out.preempted), schedule_s=t1 - t0, prepare_s=self.runner.last_prepare_s,
+            forward_s=t2 - t1, postprocess_s=now - t2, time=now - self.start_time))
         if self.trace is not None:
             self.record(out, finished, t1 - t0, t2 - t1, now - t2)
         self.step_count += 1

@@ -8,6 +8,7 @@ their last token this step, and sample.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class ModelRunner:
         self.num_blocks = self.allocate_kv_cache()
         self.sampler = Sampler(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
+        self.last_prepare_s = 0.0  # host time spent in prepare() in the last run (the benchmark reports it)
 
     # ------------------------------------------------------------------------------------------ KV cache
     @property
@@ -171,7 +173,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[Any]) -> dict[int, int]:
         """Run one batch; return {seq_id: next token} for sequences that reached their last token."""
+        t0 = time.perf_counter()
         ids, pos, meta, rows, seqs = self.prepare(scheduled)
+        self.last_prepare_s = time.perf_counter() - t0
         hidden = self.model(ids, pos, meta)  # [num_tokens, hidden]
         if not rows:
             return {}
