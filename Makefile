@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 assets: setup
 	$(PY) -m nanoengine assets
+	$(PY) -m nanoengine.attention.cpu_backend
 
 demo: assets
 	$(PY) -m nanoengine demo

@@ -13,9 +13,9 @@ from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # Block size each attention backend works best with (the torch backend gathers whole blocks).
-DEFAULT_BLOCK_SIZE = {"torch": 16, "triton": 16, "flash_attn": 256}
+DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16, "triton": 16, "flash_attn": 256}
 
 
 @dataclass
@@ -33,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
     tensor_parallel_size: int = 1
     seed: int = 0
     trace: bool = False
@@ -84,10 +85,19 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             # fp16 matmuls have no fast path on CPU (~400x slower than bf16 here)
             self.dtype = "bfloat16"
-        if self.attention_backend == "auto":
-            self.attention_backend = "torch"
+        if self.attention_backend in ("auto", "cpu"):
+            self.attention_backend = self._pick_attention_backend()
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
+        packable = self.device == "cpu" and self.dtype == "bfloat16"
+        if self.prepack_weights is None or self.prepack_weights:
+            from nanoengine.layers.linear import onednn_bf16_available
+
+            packable = packable and onednn_bf16_available()
+            if self.prepack_weights and not packable:
+                raise ValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
+                                 "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")
+            self.prepack_weights = packable
         model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_max
@@ -95,6 +105,23 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: max_model_len={self.max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
         return self
+
+    def _pick_attention_backend(self) -> str:
+        """'cpu' (the C++ decode kernel) on CPU when it builds here, else 'torch'."""
+        if self.device != "cpu":
+            if self.attention_backend == "cpu":
+                raise ValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only")
+            return "torch"
+        from nanoengine.attention import cpu_backend
+
+        reason = cpu_backend.unavailable_reason()
+        if reason is None:
+            return "cpu"
+        if self.attention_backend == "cpu":
+            raise ValueError(f"EngineConfig: attention_backend='cpu' could not be built ({reason}); "
+                             "install a C++ compiler or use attention_backend='torch'")
+        cpu_backend.fall_back_warning(reason)
+        return "torch"
 
     @property
     def torch_dtype(self):

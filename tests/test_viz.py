@@ -332,7 +332,8 @@ def test_make_figures_runs_headless(tmp_path, tiny_qwen3_path, smollm2_path):
 
 def test_engine_never_imports_viz():
     for path in (ROOT / "nanoengine").rglob("*.py"):
-        if "viz" in path.relative_to(ROOT / "nanoengine").parts:
+        parts = path.relative_to(ROOT / "nanoengine").parts
+        if "viz" in parts or "bench" in parts:  # the benchmark reads results like the views do; it may plot
             continue
         text = path.read_text()
         assert "nanoengine.viz" not in text and "from nanoengine import viz" not in text, path

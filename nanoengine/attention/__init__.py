@@ -14,4 +14,8 @@ __all__ = ["AttentionMetadata", "TorchAttention", "get_backend"]
 def get_backend(name: str):
     if name == "torch":
         return TorchAttention
-    raise ValueError(f"attention backend {name!r} is not available here; use attention_backend='torch'")
+    if name == "cpu":
+        from nanoengine.attention.cpu_backend import CPUAttention
+
+        return CPUAttention
+    raise ValueError(f"attention backend {name!r} is not available here; use attention_backend='torch' or 'cpu'")

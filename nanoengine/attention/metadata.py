@@ -6,7 +6,8 @@ new tokens each, possibly after a cached prefix). Token i of the flat batch belo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,3 +24,5 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # cached prefix + new tokens
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_seq] int64
     block_size: int = 16
+    # per-step values a backend derives once and every layer reuses (index tensors, masks), by backend name
+    memo: dict[str, Any] = field(default_factory=dict)

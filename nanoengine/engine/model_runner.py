@@ -16,6 +16,7 @@ import torch
 
 from nanoengine.attention import AttentionMetadata
 from nanoengine.config import EngineConfig
+from nanoengine.layers.linear import prepack_weights
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.models import get_model_class
 from nanoengine.models.llama import head_dim_of
@@ -54,6 +55,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, model_path)
         self.model.eval()
+        if config.prepack_weights:
+            prepack_weights(self.model)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)

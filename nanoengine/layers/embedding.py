@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoengine.layers.linear import default_weight_loader
+from nanoengine.layers.linear import PackableLinear, default_weight_loader
 
 
 class Embedding(nn.Embedding):
@@ -14,11 +14,12 @@ class Embedding(nn.Embedding):
         self.weight.weight_loader = default_weight_loader
 
 
-class LMHead(nn.Module):
+class LMHead(PackableLinear):
+    """The output projection (no bias); logits in float32 for the sampler."""
+
     def __init__(self, vocab_size: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        super().__init__(dim, vocab_size, bias=False)
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, dim] -> [num_seqs, vocab] fp32
-        return torch.nn.functional.linear(hidden, self.weight).float()
+        return super().forward(hidden).float()

@@ -25,7 +25,7 @@ def head_dim_of(config: Any) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str) -> None:
+    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary_emb = rotary  # one module shared by all layers
         self.attn = get_backend(backend)(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -69,9 +69,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str) -> None:
+    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qk_norm, backend)
+        self.self_attn = Attention(config, qk_norm, backend, rotary)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend)
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, rotary)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
