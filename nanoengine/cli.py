@@ -1,4 +1,4 @@
-"""Command line: `nanoengine assets|demo|generate|chat`. Chapters 00 and 08."""
+"""Command line: `nanoengine assets|demo|generate|chat|bench`. Chapters 00 and 08."""
 
 from __future__ import annotations
 
@@ -79,14 +79,30 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
         g.set_defaults(fn=cmd_generate, chat=chat)
-    b = sub.add_parser("bench", help="nanoengine vs transformers generate on one workload (JSON result)")
-    b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--workload", default="cpu-small", help="cpu-small | gpu-256 | smoke")
-    b.add_argument("--peer-batches", type=int, nargs="*", default=[8, 32],
-                   help="transformers static batch sizes to measure (none: skip the peer)")
+    b = sub.add_parser("bench", help="nanoengine vs its peers on one seeded workload (table, JSON, plot)",
+                       description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
+                                   "when installed, on a GPU) on one seeded workload; prints a table and writes "
+                                   "a JSON result and a plot.")
+    b.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
+    b.add_argument("--workload", default="cpu-small",
+                   help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
+                        "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | smoke")
+    b.add_argument("--num-requests", type=int, default=None, help="take the first N requests of the workload")
+    b.add_argument("--online", action="store_true", help="Poisson arrivals at --request-rate (latency under load)")
+    b.add_argument("--request-rate", type=float, default=None, help="requests/s for --online")
+    b.add_argument("--peers", default="hf,vllm,nano-vllm",
+                   help="comma-separated peers to run after the engine (vllm and nano-vllm need a GPU)")
+    b.add_argument("--no-peers", action="store_true", help="run nanoengine only")
+    b.add_argument("--peer-batches", type=int, nargs="*", default=None,
+                   help="transformers static batch sizes (default 8 32 on CPU, 64 256 on CUDA)")
+    b.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run the engine again with enable_prefix_caching=False and report the ratio")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     b.add_argument("--engine-options", default=None, help='JSON, e.g. \'{"block_size": 32}\'')
-    b.add_argument("--out-dir", default="bench_results")
+    b.add_argument("--seed", type=int, default=0, help="workload and arrival seed (nano-vllm's is 0)")
+    b.add_argument("--out-dir", default="bench_results", help="where the JSON result goes")
+    b.add_argument("--figures-dir", default="figures", help="where the plot goes")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(fn=lambda a: __import__("nanoengine.bench.run", fromlist=["main"]).main(a))
     args = p.parse_args(argv)
     try:

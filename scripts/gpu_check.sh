@@ -10,5 +10,5 @@ python -m pip install -q --no-deps -e . 2>&1 | tail -1 || true
 python -m nanoengine assets tiny-qwen3 smollm2-135m 2>&1 | tail -2
 python -m pytest -q tests/test_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 python -m nanoengine assets qwen3-0.6b-shape 2>&1 | tail -1
-timeout 420 python -m nanoengine bench --model qwen3-0.6b-shape --workload gpu-256 --peer-batches 32 \
-  --out-dir "$OUT" 2>&1 | tail -6 | tee "$OUT/bench.txt"
+timeout 420 python -m nanoengine bench --model qwen3-0.6b-shape --workload nano-vllm --peer-batches 32 \
+  --out-dir "$OUT" --figures-dir "$OUT" --quiet 2>&1 | tail -30 | tee "$OUT/bench.txt"

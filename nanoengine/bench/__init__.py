@@ -1,1 +1,9 @@
-"""Benchmarks: workloads, the transformers peer, hardware ceilings, JSON results. Chapter 08."""
+"""Benchmarks (chapter 08): `nanoengine bench` and `bench.run.bench(...)`.
+
+- `workload`: seeded workloads (nano-vllm's exact draw, cpu-small, shared-prefix, smoke), Poisson arrivals;
+- `hardware`: the machine's GEMM peak and memory bandwidth, measured on the spot;
+- `roofline`: the workload's FLOPs and bytes, and the time bounds they imply;
+- `metrics`: percentiles, TTFT / TPOT, per-step engine numbers;
+- `peers`: transformers static batches, vLLM and nano-vllm (GPU only);
+- `run`: one run of the engine and its peers; `report`: table and JSON; `plots`: the figure.
+"""

@@ -1,39 +1,91 @@
-"""Hardware ceilings measured on the spot: GEMM peak and memory bandwidth. Chapter 08."""
+"""Hardware ceilings measured on the spot: GEMM peak and memory bandwidth, plus a description of the
+machine for the result's name. Chapter 08.
+
+Measured, not looked up: a square matmul in the engine's dtype with the torch threads the run uses (CPU), and
+a large tensor copy (read + write). Together they take about a second; `bench/roofline.py` turns them into
+the workload's time bounds.
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 import time
+from collections.abc import Callable
 
 import torch
 
 
-def _time(fn, min_seconds: float = 0.3) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], object], device: str, min_seconds: float = 0.25) -> float:
+    """Seconds per call of fn: one warm-up call, then as many calls as fit in min_seconds."""
     fn()
+    _sync(device)
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < min_seconds:
         fn()
         n += 1
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        if device.startswith("cuda") and n % 8 == 0:
+            _sync(device)
+    _sync(device)
     return (time.perf_counter() - start) / n
 
 
-def gemm_peak_gflops(dtype: torch.dtype, device: str, n: int = 2048) -> float:
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    return 2 * n**3 / _time(lambda: torch.mm(a, b)) / 1e9
+def gemm_peak_gflops(dtype: torch.dtype, device: str, n: int | None = None) -> float:
+    """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs) in `dtype`; n = 1024 on CPU, 8192 on CUDA."""
+    n = n or (8192 if device.startswith("cuda") else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _time(lambda: torch.mm(a, b), device) / 1e9
 
 
-def memory_bandwidth_gbs(device: str, mib: int = 256) -> float:
-    x = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device)
+def memory_bandwidth_gbs(device: str, mib: int | None = None) -> float:
+    """GB/s of copying a `mib` MiB float32 tensor (bytes read + bytes written); 256 MiB on CPU (beyond the
+    caches), 2 GiB on CUDA."""
+    mib = mib or (2048 if device.startswith("cuda") else 256)
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / _time(lambda: y.copy_(x)) / 1e9  # read + write
+    return 2 * x.numel() * 4 / _time(lambda: y.copy_(x), device) / 1e9
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def describe(device: str) -> dict:
-    info = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
-    if device == "cuda":
+    """Device, CPU model, torch threads and versions: what the result's file name is built from."""
+    import nanoengine
+
+    info = {"device": device, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "nanoengine": nanoengine.__version__,
+            "python": platform.python_version()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
     return info
+
+
+def measure(dtype: torch.dtype, device: str) -> dict:
+    """The two ceilings, in the units the roofline uses."""
+    t0 = time.perf_counter()
+    gemm = gemm_peak_gflops(dtype, device)
+    bw = memory_bandwidth_gbs(device)
+    return {"gemm_gflops": gemm, "gemm_dtype": str(dtype).removeprefix("torch."), "memory_gbs": bw,
+            "threads": torch.get_num_threads(), "measure_s": time.perf_counter() - t0}

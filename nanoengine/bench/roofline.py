@@ -1,0 +1,138 @@
+"""The roofline: how fast could this machine possibly run this workload? Chapter 08.
+
+A run needs some number of floating-point operations (FLOPs) and must move some number of bytes between
+memory and the compute units. With the machine's measured GEMM peak P (FLOP/s) and memory bandwidth B
+(bytes/s, see `bench/hardware.py`) it cannot finish faster than
+
+    compute-bound time = FLOPs / P        memory-bound time = bytes / B        limit = max of the two.
+
+The achieved fraction of the machine's limit is limit / measured time (1.0 = perfect). The issue's target is
+phrased against the compute bound: engine output tok/s / compute-bound output tok/s, where the compute-bound
+tok/s = output tokens / compute-bound time.
+
+FLOPs (kept simple, and stated so): every prompt token and every generated token but the last goes through
+the layers (the last sampled token is never fed back), so request i processes n_i = prompt_i + output_i - 1
+positions (less the positions a prefix-cache hit skipped, when given). Per processed position:
+  2 x (non-embedding linear parameters: q, k, v, o, gate, up, down per layer)   matmul multiply-adds
+  + 4 x layers x heads x head_dim x context                                     QK^T and PV, context = pos + 1
+and per generated token 2 x (LM-head parameters): logits only where a token is sampled.
+Norms, rotary, softmax, activations and biases are a rounding error and are left out.
+
+Bytes (the minimal traffic for the schedule the engine ran):
+  weights read once per engine step (all linear layers, norms and the LM head; an untied input embedding is a
+  row gather and is left out) x number of steps
+  + the KV cache read by every decode token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes x context
+  + the KV cache written once for every processed position.
+Activations are left out (they are small next to the weights at these batch sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    dtype_bytes: int
+    qk_norm: bool = False  # Qwen3 normalizes q and k per head
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2) -> ModelShape:
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                   intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes,
+                   qk_norm=getattr(cfg, "model_type", "") == "qwen3")
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h  # q, k, v, o
+        mlp = 3 * h * self.intermediate  # gate, up, down
+        return attn + mlp
+
+    @property
+    def linear_params(self) -> int:
+        """Non-embedding linear parameters (all layers)."""
+        return self.layers * self.linear_params_per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def norm_params(self) -> int:
+        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layers * per_layer + self.hidden
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        return (self.linear_params + self.norm_params + self.lm_head_params) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def _sum_range(lo: int, hi: int) -> int:
+    """lo + (lo + 1) + ... + hi (0 when hi < lo)."""
+    return (hi * (hi + 1) - (lo - 1) * lo) // 2 if hi >= lo else 0
+
+
+def workload_cost(shape: ModelShape, prompt_lens: Sequence[int], output_lens: Sequence[int], num_steps: int,
+                  cached_lens: Sequence[int] | None = None) -> dict[str, int]:
+    """FLOPs and bytes of a run (see the module docstring). cached_lens: prompt positions per request that a
+    prefix-cache hit skipped (their linear and attention FLOPs and KV writes are not needed)."""
+    cached_lens = cached_lens or [0] * len(prompt_lens)
+    processed = attn_ctx = decode_ctx = 0
+    for p, o, c in zip(prompt_lens, output_lens, cached_lens):
+        n = p + o - 1  # positions 0..n-1 go through the layers
+        processed += n - c
+        attn_ctx += _sum_range(c + 1, n)  # context = position + 1 for positions c..n-1
+        decode_ctx += _sum_range(p + 1, n)  # decode positions p..n-1 read their context from the cache
+    out_tokens = sum(output_lens)
+    s = shape
+    flops = {"linear": 2 * s.linear_params * processed,
+             "attention": 4 * s.layers * s.heads * s.head_dim * attn_ctx,
+             "lm_head": 2 * s.lm_head_params * out_tokens}
+    nbytes = {"weights": s.weight_bytes_per_step * num_steps,
+              "kv_read": s.kv_bytes_per_position * decode_ctx,
+              "kv_write": s.kv_bytes_per_position * processed}
+    return {"flops": sum(flops.values()), "bytes": sum(nbytes.values()), "processed_positions": processed,
+            "output_tokens": out_tokens, "num_steps": num_steps,
+            **{f"flops_{k}": v for k, v in flops.items()}, **{f"bytes_{k}": v for k, v in nbytes.items()}}
+
+
+def roofline(cost: dict[str, int], gemm_gflops: float, memory_gbs: float, seconds: float) -> dict[str, float]:
+    """Time bounds from the measured ceilings, and how close a run that took `seconds` came to them."""
+    compute_s = cost["flops"] / (gemm_gflops * 1e9)
+    memory_s = cost["bytes"] / (memory_gbs * 1e9)
+    limit_s = max(compute_s, memory_s)
+    compute_tok_s = cost["output_tokens"] / compute_s if compute_s else float("inf")
+    engine_tok_s = cost["output_tokens"] / seconds
+    return {"compute_bound_s": compute_s, "memory_bound_s": memory_s, "limit_s": limit_s,
+            "bound": "compute" if compute_s >= memory_s else "memory",
+            "achieved_fraction_of_limit": limit_s / seconds,
+            "compute_bound_output_tokens_per_s": compute_tok_s,
+            "limit_output_tokens_per_s": cost["output_tokens"] / limit_s if limit_s else float("inf"),
+            "fraction_of_compute_bound": engine_tok_s / compute_tok_s,
+            "arithmetic_intensity": cost["flops"] / cost["bytes"] if cost["bytes"] else float("inf"),
+            "machine_balance": gemm_gflops / memory_gbs}
+
+
+def shape_dict(shape: ModelShape) -> dict[str, Any]:
+    return {**asdict(shape), "linear_params": shape.linear_params, "lm_head_params": shape.lm_head_params,
+            "weight_bytes_per_step": shape.weight_bytes_per_step,
+            "kv_bytes_per_position": shape.kv_bytes_per_position}
