@@ -1,8 +1,10 @@
 """Sampler: greedy, temperature, top-k, top-p, min-p, and per-request seeds. Chapter 05.
 
-Sampling uses the exponential race (Gumbel-max in disguise): `argmax(probs / q)` with q ~ Exp(1) picks
-token i with probability probs[i]. A request with a seed draws its q from its own generator, one draw of
-the full vocabulary per token, so its samples do not depend on which other requests share the batch.
+Sampling inverts the cumulative distribution: draw u ~ U[0, 1) per row and take the first token whose
+cumulative probability exceeds u * (total mass). That is one random number per token, where the exponential
+race (argmax(probs / q), q ~ Exp(1) for every vocabulary entry) needs 150k: at batch 32 on CPU the race's
+noise alone took 27 ms per step, the cumulative sum takes about 1 ms. A request with a seed draws its u from
+its own generator, so its samples do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -59,17 +61,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits [B, V] fp32 -> next token ids [B]
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         temps = batch.temperatures.to(logits.device)
         is_greedy = temps == 0
         scaled = logits / torch.where(is_greedy, 1.0, temps)[:, None]
         scaled = apply_top_k_top_p_min_p(scaled, batch.top_ks, batch.top_ps, batch.min_ps)
-        probs = torch.softmax(scaled, dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.shared_generator(probs.device))  # [B, V]
+        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)  # [B, V]; masked tokens add nothing
+        u = torch.rand(cdf.shape[0], generator=self.shared_generator(cdf.device), device=cdf.device)  # [B]
         for i, gen in enumerate(batch.generators):
-            if gen is not None:  # a seeded request: its own stream, one full-vocabulary draw per token
-                q[i] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(q.device)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+            if gen is not None:  # a seeded request: its own stream, one draw per token
+                u[i] = torch.rand((), generator=gen).item()
+        # scale by the last entry (the total, 1 up to rounding) so u never falls past the last allowed token
+        target = (u * cdf[:, -1])[:, None]  # [B, 1]
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        if bool(is_greedy.any()):
+            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return sampled
