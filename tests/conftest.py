@@ -66,3 +66,17 @@ def seed():
     np.random.seed(0)
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """nanoengine's compiled CPU kernels (nanoengine/attention/csrc). Skipped where they cannot be built;
+    on CI (which has a compiler) that is a failure instead."""
+    from nanoengine.attention.cpu_backend import load_kernel, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the CPU kernels did not build: {why}")
+        pytest.skip(f"no CPU kernels here: {why}")
+    return load_kernel()

@@ -8,19 +8,8 @@ import torch
 
 import nanoengine.attention.torch_backend as torch_backend
 from nanoengine.attention import AttentionMetadata, get_backend
-from nanoengine.attention.cpu_backend import unavailable_reason
 
 BACKENDS = ["torch", "cpu"]
-
-
-def backend_class(name):
-    if name == "cpu" and unavailable_reason() is not None:
-        import os
-
-        if os.environ.get("CI"):  # CI has a compiler: a kernel that does not build is a failure there
-            pytest.fail(f"the CPU attention kernel did not build: {unavailable_reason()}")
-        pytest.skip(f"no CPU attention kernel here: {unavailable_reason()}")
-    return get_backend(name)
 
 
 def dense_attention(q, k, v, scale):
@@ -48,7 +37,10 @@ def make_layout(lens, block_size, num_blocks, gen):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128), (6, 2, 32)])
 @pytest.mark.parametrize("grouped_prefill", [True, False])
-def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, monkeypatch):
+def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, monkeypatch,
+                            request):
+    if backend == "cpu":
+        request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
     if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
         monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
     gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
@@ -61,7 +53,7 @@ def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_d
     order = decodes + prefills
     num_blocks = 200
     tables = make_layout([n for n, _ in order], block_size, num_blocks, gen)
-    attn = backend_class(backend)(num_heads, num_kv_heads, head_dim, scale)
+    attn = get_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
     attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
     attn.v_cache = torch.zeros_like(attn.k_cache)
     full = [(torch.randn(n, num_heads, head_dim, generator=gen), torch.randn(n, num_kv_heads, head_dim, generator=gen),
@@ -118,11 +110,8 @@ def test_slot_minus_one_is_not_written():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize("batch", [1, 7])
-def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch):
+def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch, cpu_kernels):
     """The kernel against the torch backend's decode in bfloat16 (the engine's CPU dtype), on long contexts."""
-    backend_class("cpu")
-    from nanoengine.attention.cpu_backend import load_kernel
-
     gen = torch.Generator().manual_seed(head_dim + batch)
     num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 600
     lens = torch.randint(1, 700, (batch,), generator=gen)
@@ -135,7 +124,7 @@ def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch):
     q = torch.randn(batch, num_heads, head_dim, generator=gen).bfloat16()
     scale = head_dim ** -0.5
     exact = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, lens, scale)
-    kernel = load_kernel().paged_decode(q, k_cache, v_cache, block_tables, lens, scale)
+    kernel = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale)
     eager = torch_backend.decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
     assert kernel.dtype == torch.bfloat16 and kernel.shape == q.shape
     # the kernel accumulates in float32 and rounds once: no worse than the torch backend's bf16 matmuls
@@ -144,11 +133,8 @@ def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch):
     assert err_kernel <= max(err_eager, 4e-3), (err_kernel, err_eager)
 
 
-def test_cpu_kernel_rejects_bad_input():
-    backend_class("cpu")
-    from nanoengine.attention.cpu_backend import load_kernel
-
+def test_cpu_kernel_rejects_bad_input(cpu_kernels):
     q = torch.zeros(1, 4, 8)
     cache = torch.zeros(3, 2, 4, 8)  # 4 query heads over 3 kv heads: not a group
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        load_kernel().paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)

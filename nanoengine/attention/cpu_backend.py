@@ -24,7 +24,7 @@ import torch
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.attention.torch_backend import Plan, TorchAttention
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # -ffast-math lets the compiler vectorize the dot products and exp; 512-bit vectors where the CPU has them
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
@@ -43,7 +43,7 @@ def load_kernel() -> ModuleType:
 
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
-    name = "nanoengine_paged_decode_cpu"
+    name = "nanoengine_cpu_kernels"
     if not any(path.glob(f"{name}*.so")):
         print("nanoengine: compiling the CPU paged-attention kernel (once, ~30 s)...", file=sys.stderr, flush=True)
     return load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(path))
@@ -62,6 +62,18 @@ def unavailable_reason() -> str | None:
 def fall_back_warning(reason: str) -> None:
     warnings.warn(f"nanoengine: the CPU attention kernel could not be built ({reason}); using the slower "
                   "torch backend. Install a C++ compiler (e.g. build-essential) to get it.", stacklevel=3)
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> int:
+    """Route the model's RMSNorms, rotary embedding and SwiGLU through the fused kernels (same results as
+    the eager ops; one call instead of several per step). Returns how many modules now use them."""
+    kernels = load_kernel()
+    n = 0
+    for m in model.modules():
+        if hasattr(type(m), "kernels") or hasattr(m, "kernels"):
+            m.kernels = kernels
+            n += 1
+    return n
 
 
 class CPUAttention(TorchAttention):

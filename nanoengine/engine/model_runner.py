@@ -57,6 +57,10 @@ class ModelRunner:
         self.model.eval()
         if config.prepack_weights:
             prepack_weights(self.model)
+        if config.attention_backend == "cpu":  # the compiled CPU kernels also fuse norms, rotary, SwiGLU
+            from nanoengine.attention.cpu_backend import use_cpu_kernels
+
+            use_cpu_kernels(self.model)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)

@@ -8,17 +8,24 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    kernels = None  # nanoengine's compiled CPU kernels, when the engine runs with them (chapter 06)
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, None, self.weight, self.eps)[0]
         # x * rsqrt(mean(x^2) + eps) in float32 (one fused op), cast back, then the learned scale
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual = x + residual; return norm(residual), residual` (one pass in the decoder)."""
+        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            normed, residual = self.kernels.rms_norm(x, residual, self.weight, self.eps)
+            return normed, residual
         residual = x + residual
         return self.forward(residual), residual

@@ -22,6 +22,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [max_position, head_dim]
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # signed for rotate_half
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self.kernels = None  # nanoengine's compiled CPU kernels, when the engine runs with them (chapter 06)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, 1, head_dim] for these positions; reused while the same tensor comes back
@@ -35,6 +36,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]
+        if self.kernels is not None:  # one pass per tensor, reading cos/sin by position
+            return (self.kernels.rotary(q, positions, self.cos, self.sin),
+                    self.kernels.rotary(k, positions, self.cos, self.sin))
         cos, sin = self.lookup(positions, q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

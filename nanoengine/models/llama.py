@@ -64,8 +64,12 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
 
+    kernels = None  # nanoengine's compiled CPU kernels, when the engine runs with them (chapter 06)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        act = self.kernels.silu_and_mul(gate_up) if self.kernels is not None else silu_and_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

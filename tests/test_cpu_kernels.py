@@ -1,0 +1,88 @@
+"""The CPU kernels' fused glue (RMSNorm with residual, rotary, SwiGLU) == the eager PyTorch layers they
+replace: bit for bit in bfloat16 (they round where the eager ops round), to float32 rounding in float32;
+and an engine with the kernels == one without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoengine.layers.activation import silu_and_mul
+from nanoengine.layers.norm import RMSNorm
+from nanoengine.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def kernels(cpu_kernels):
+    return cpu_kernels
+
+
+def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if want.dtype == torch.bfloat16:
+        assert torch.equal(got, want), f"{what}: max diff {(got.float() - want.float()).abs().max()}"
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6, msg=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (17, 576), (5, 1024)])
+def test_rms_norm_with_and_without_residual(kernels, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, dim, generator=gen).to(dtype)
+    want, (want_n, want_r) = norm(x), norm.forward_add(x, residual)
+    norm.kernels = kernels
+    got, (got_n, got_r) = norm(x), norm.forward_add(x, residual)
+    same(got, want, "rms_norm")
+    same(got_n, want_n, "add + rms_norm: normed")
+    same(got_r, want_r, "add + rms_norm: residual sum")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 32)])
+def test_rotary_on_views_of_qkv(kernels, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    tokens = 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided views, as in the model
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    want_q, want_k = rope(positions, q, k)
+    rope.kernels = kernels
+    got_q, got_k = rope(positions, q, k)
+    same(got_q, want_q, "rotary q")
+    same(got_k, want_k, "rotary k")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(kernels, dtype):
+    """SiLU's exp comes from a different vector math library than PyTorch's, so a few bf16 results land one
+    rounding step away; everything else is equal."""
+    gate_up = (torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    got, want = kernels.silu_and_mul(gate_up), silu_and_mul(gate_up)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=1 / 64, atol=1e-6)  # about one bf16 step at most
+    differ = (got != want).float().mean().item()
+    assert differ < (0.002 if dtype == torch.bfloat16 else 1.0), f"{differ:.2%} of the outputs differ"
+
+
+@pytest.mark.xdist_group("tiny")
+def test_engine_with_cpu_kernels_equals_torch_backend(kernels):
+    """tiny-qwen3 in float32, greedy: the 'cpu' backend (decode kernel + fused glue) gives the same tokens as
+    the pure-PyTorch backend, with chunked prefill and a prefix-cache hit in the mix."""
+    from nanoengine import LLM, SamplingParams
+
+    prompts = [[5, 17, 300, 42] * n for n in (1, 7, 15)] + [[5, 17, 300, 42] * 15 + [9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM("tiny-qwen3", attention_backend=backend, max_num_batched_tokens=32, num_kvcache_blocks=64)
+        assert llm.config.attention_backend == backend
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["cpu"] == outs["torch"]
