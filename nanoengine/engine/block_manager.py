@@ -82,7 +82,8 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks seq needs to hold num_computed_tokens + num_new_tokens tokens."""
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
@@ -117,11 +118,11 @@ class BlockManager:
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Are there enough free blocks to cover seq.num_computed_tokens + num_new_tokens tokens?"""
-        return self._blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens; return new block ids."""
-        needed = self._blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_block_ids):
             raise RuntimeError(
                 f"allocate: seq {seq.seq_id} needs {needed} more KV blocks but only {len(self.free_block_ids)} "
@@ -179,6 +180,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
                 freed.append(block_id)
         seq.block_table.clear()
+        seq.num_table_resets += 1
         return freed
 
     # ------------------------------------------------------------------ inspection

@@ -17,7 +17,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -98,18 +98,20 @@ class Scheduler:
             if n == 0:  # nothing to compute until the engine hands it a token
                 i += 1
                 continue
-            while not bm.can_allocate(seq, n):
-                victim = self.running.pop()  # the newest; always at index >= i
-                out.blocks_freed += self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+            computed = seq.num_computed_tokens
+            if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
+                while not bm.can_allocate(seq, n):
+                    victim = self.running.pop()  # the newest; always at index >= i
+                    out.blocks_freed += self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
                     break
-            if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
-                break
-            is_prefill = seq.is_prefill
-            out.blocks_allocated += bm.allocate(seq, n)
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)  # hits for later admissions
-            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+                out.blocks_allocated += bm.allocate(seq, n)
+            if (computed + n) // bm.block_size > computed // bm.block_size:  # a block fills up this step
+                bm.cache_full_blocks(seq, computed + n)  # hits for later admissions
+            out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
             budget -= n
             i += 1
 

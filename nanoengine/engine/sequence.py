@@ -33,6 +33,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
         self.block_table: list[int] = []
+        self.num_table_resets = 0  # times the block manager emptied block_table (a table only grows between)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the first one's prefill

@@ -27,8 +27,10 @@ def engine_slots(block_table, start, end, block_size):
     seq = Sequence(list(range(end)), SamplingParams(), block_size)
     seq.block_table = list(block_table)
     seq.num_computed_tokens = start
-    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
-    _, _, meta, _, _ = ModelRunner.prepare(runner, [ScheduledSeq(seq, end - start, end - start > 1)])
+    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs no model: just the block size and device
+    runner.block_size, runner.device = block_size, torch.device("cpu")
+    runner.reset_decode_tables()
+    _, _, meta, _, _ = runner.prepare([ScheduledSeq(seq, end - start, end - start > 1)])
     return meta.slot_mapping.tolist()
 
 
