@@ -32,24 +32,32 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # a fast tokenizer's Rust backend decodes ~3x faster than the Python wrapper (which only adds
+        # clean-up of spaces when the tokenizer asks for it); this runs once per generated token
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = 0  # tokens before this are already emitted as text
+        self.prefix_text = ""  # decode(token_ids[prefix_offset:read_offset]), kept until the offsets move
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it completes (may be '' while a character is incomplete)."""
         self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        prefix_text = self.prefix_text
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
+        self.prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         self.text += delta
         return delta
 
