@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from collections import deque
 from itertools import count
 from typing import Any
 
@@ -23,6 +24,9 @@ from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from nanoengine.trace import RunTrace, ScheduledEntry, StepStats, StepTrace
+
+
+STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
 
 
 @dataclass
@@ -86,7 +90,9 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0
         self.trace: RunTrace | None = None
-        self.stats: list[StepStats] = []  # one per step; LLM.generate clears it at the start of a run
+        # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
+        # LLM.generate clears it at the start of a run
+        self.stats: deque[StepStats] = deque(maxlen=STATS_KEPT)
         self.start_time = time.perf_counter()
 
     # -------------------------------------------------------------------------------------- requests
