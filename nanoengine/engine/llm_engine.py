@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from collections import deque
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
@@ -24,7 +24,6 @@ from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from nanoengine.trace import RunTrace, ScheduledEntry, StepStats, StepTrace
-
 
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
 
