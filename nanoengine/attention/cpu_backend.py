@@ -1,12 +1,15 @@
-"""The CPU attention backend: the torch backend with decode attention done by a small C++ kernel that reads
-K/V in place from the blocks (csrc/paged_decode_cpu.cpp). Chapter 06.
+"""The CPU backend: the torch backend with decode attention done by a small C++ kernel that reads K/V in
+place from the blocks, plus fused RMSNorm / rotary / SwiGLU for the model's glue (csrc/cpu_kernels.cpp).
+Chapter 06.
 
 Why: the torch backend's decode gathers every sequence's blocks into a padded copy, then runs two batched
 matmuls with 3-row queries; on CPU that moves the K/V bytes three times and runs the matmuls far below peak.
 The kernel reads each K/V row once (about 7x faster at batch 32 here). Prefill and the cache layout are
-the torch backend's, so the two backends are interchangeable and tested equal.
+the torch backend's, so the two backends are interchangeable and tested equal. Between the matmuls, the
+~40 small ops of a decoder layer cost more in dispatch than in arithmetic at small batch; the fused kernels
+do each step in one pass (`use_cpu_kernels`), rounding where the eager ops round.
 
-The kernel is compiled once with the C++ compiler torch uses (`torch.utils.cpp_extension`, ~30 s) into
+The extension is compiled once with the C++ compiler torch uses (`torch.utils.cpp_extension`, ~30 s) into
 `$NANOENGINE_HOME/kernels/`, then loaded from there. Without a compiler, `attention_backend="auto"`
 falls back to the torch backend with a warning.
 """
@@ -45,7 +48,7 @@ def load_kernel() -> ModuleType:
     path.mkdir(parents=True, exist_ok=True)
     name = "nanoengine_cpu_kernels"
     if not any(path.glob(f"{name}*.so")):
-        print("nanoengine: compiling the CPU paged-attention kernel (once, ~30 s)...", file=sys.stderr, flush=True)
+        print("nanoengine: compiling the CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     return load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(path))
 
 
@@ -87,4 +90,4 @@ class CPUAttention(TorchAttention):
 
 if __name__ == "__main__":  # `python -m nanoengine.attention.cpu_backend`: build now (make assets does)
     why = unavailable_reason()
-    print("CPU attention kernel: " + ("ready in " + str(build_dir()) if why is None else f"not built ({why})"))
+    print("nanoengine CPU kernels: " + ("ready in " + str(build_dir()) if why is None else f"not built ({why})"))
