@@ -32,11 +32,26 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
+def cpu_signature() -> str:
+    """A short hash of this CPU's instruction-set flags: the kernels are built with -march=native, so a
+    NANOENGINE_HOME shared between different machines needs one build per kind of CPU."""
+    import hashlib
+    import platform
+
+    flags = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), flags)
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
 def build_dir() -> Path:
     from nanoengine import assets
 
-    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    return assets.home() / "kernels" / tag
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu{cpu_signature()}"
+    return assets.home() / "kernels" / tag.replace("+", "_")
 
 
 @cache
