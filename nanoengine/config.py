@@ -89,11 +89,10 @@ class EngineConfig:
             self.attention_backend = self._pick_attention_backend()
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
-        packable = self.device == "cpu" and self.dtype == "bfloat16"
-        if self.prepack_weights is None or self.prepack_weights:
+        if self.prepack_weights is not False:  # None (auto) or True (asked for)
             from nanoengine.layers.linear import onednn_bf16_available
 
-            packable = packable and onednn_bf16_available()
+            packable = self.device == "cpu" and self.dtype == "bfloat16" and onednn_bf16_available()
             if self.prepack_weights and not packable:
                 raise ValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
                                  "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")

@@ -23,21 +23,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------------ workloads
 def seed_bench_draw(num_seqs: int, max_input_len: int, max_output_len: int, min_len: int):
-    """nano-vllm's bench.py, verbatim but for the counts (module-level random, as the seed does)."""
+    """nano-vllm's bench.py, verbatim but for the counts (module-level random, as the seed does; the global
+    random state is restored afterwards)."""
     from random import randint, seed
 
-    seed(0)
-    prompt_token_ids = [[randint(0, 10000) for _ in range(randint(min_len, max_input_len))] for _ in range(num_seqs)]
-    max_tokens = [randint(min_len, max_output_len) for _ in range(num_seqs)]
+    state = random.getstate()
+    try:
+        seed(0)
+        prompt_token_ids = [[randint(0, 10000) for _ in range(randint(min_len, max_input_len))]
+                            for _ in range(num_seqs)]
+        max_tokens = [randint(min_len, max_output_len) for _ in range(num_seqs)]
+    finally:
+        random.setstate(state)
     return prompt_token_ids, max_tokens
 
 
 def test_nano_vllm_workload_is_exactly_the_seeds_draw():
-    state = random.getstate()
-    try:
-        prompts, outs = seed_bench_draw(256, 1024, 1024, 100)
-    finally:
-        random.setstate(state)
+    prompts, outs = seed_bench_draw(256, 1024, 1024, 100)
     wl = make_workload("nano-vllm", vocab_size=151936)
     assert wl.prompts == prompts and wl.output_lens == outs
     assert len(wl) == 256 and wl.temperature == 0.6
@@ -45,11 +47,7 @@ def test_nano_vllm_workload_is_exactly_the_seeds_draw():
 
 
 def test_cpu_small_is_the_same_draw_with_its_sizes():
-    state = random.getstate()
-    try:
-        prompts, outs = seed_bench_draw(32, 512, 512, 64)
-    finally:
-        random.setstate(state)
+    prompts, outs = seed_bench_draw(32, 512, 512, 64)
     wl = make_workload("cpu-small", vocab_size=49152)
     assert wl.prompts == prompts and wl.output_lens == outs
     assert all(64 <= len(p) <= 512 for p in wl.prompts) and all(64 <= n <= 512 for n in wl.output_lens)

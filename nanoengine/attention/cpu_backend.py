@@ -88,7 +88,7 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     kernels = load_kernel()
     n = 0
     for m in model.modules():
-        if hasattr(type(m), "kernels") or hasattr(m, "kernels"):
+        if hasattr(m, "kernels"):
             m.kernels = kernels
             n += 1
     return n

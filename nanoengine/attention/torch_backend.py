@@ -173,6 +173,8 @@ class TorchAttention(torch.nn.Module):
             p = meta.memo["torch"] = plan(meta, k_cache, self.gathers_for_decode)
         write_kv(k, v, k_cache, v_cache, p.store_tokens, p.store_rows)
         nd = meta.num_decode_seqs
+        if nd == q.shape[0]:  # a pure decode step (most steps): no copy into `out`
+            return self.decode(q, meta, p)
         if nd:
             out[:nd] = self.decode(q[:nd], meta, p)
         for start, q_len, ctx, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
