@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:  `make demo` (runs the engine on the default model) and `make test`.
-# Every pip call goes through constraints.txt (CPU torch 2.13.0 from disk, triton 3.8.0).
+# Every pip call goes through constraints.txt (CPU torch 2.13.0 from disk; it also pins triton for later).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 assets: setup
 	$(PY) -m nanoengine assets
-	$(PY) -m nanoengine.attention.cpu_backend
+	$(PY) -m nanoengine.kernels
 
 demo: assets
 	$(PY) -m nanoengine demo

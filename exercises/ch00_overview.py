@@ -1,6 +1,6 @@
 # Your exercises for book/00_overview.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch00")`) or: pytest tests/exercises/test_ch00_overview.py
+# (`check("ch00")`, from nanoengine.check) or: pytest tests/exercises/test_ch00_overview.py
 # Generated from solutions/ch00_overview.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 00, book/00_overview.ipynb: what an inference engine does.
 

@@ -1,6 +1,6 @@
 # Your exercises for book/01_tokenization.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch01")`) or: pytest tests/exercises/test_ch01_tokenization.py
+# (`check("ch01")`, from nanoengine.check) or: pytest tests/exercises/test_ch01_tokenization.py
 # Generated from solutions/ch01_tokenization.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 01, book/01_tokenization.ipynb: byte-level BPE on the real Qwen3 vocabulary, chat prompts,
 incremental detokenization.

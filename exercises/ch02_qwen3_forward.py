@@ -1,6 +1,6 @@
 # Your exercises for book/02_qwen3_forward.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch02")`) or: pytest tests/exercises/test_ch02_qwen3_forward.py
+# (`check("ch02")`, from nanoengine.check) or: pytest tests/exercises/test_ch02_qwen3_forward.py
 # Generated from solutions/ch02_qwen3_forward.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 02, book/02_qwen3_forward.ipynb: the Qwen3 forward pass from its parts.
 
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoengine.config import rope_theta  # rope_theta(config) -> the RoPE base of a transformers config
+# rope_theta(config) -> the RoPE base of a transformers config
+from nanoengine.models.hf_config import rope_theta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

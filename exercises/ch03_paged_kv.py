@@ -1,6 +1,6 @@
 # Your exercises for book/03_paged_kv.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch03")`) or: pytest tests/exercises/test_ch03_paged_kv.py
+# (`check("ch03")`, from nanoengine.check) or: pytest tests/exercises/test_ch03_paged_kv.py
 # Generated from solutions/ch03_paged_kv.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 03, book/03_paged_kv.ipynb: the paged KV cache.
 
@@ -10,8 +10,10 @@ Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
 Exercise 3.5: KV cache bytes per token of a model config.
 
-Cache layout per layer (as in nanoengine): k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
+Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].
+(nanoengine's torch backend stores heads first, [KVH, num_blocks, block_size, D], so that one head's blocks
+are whole contiguous rows; the tests convert between the two.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from nanoengine.models.hf_config import head_dim  # head_dim(config) -> the head size of a transformers config
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -65,7 +69,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Exercise 3.5: bytes of KV cache one token occupies: a key and a value vector per KV head per layer.
 
-    Use config.num_hidden_layers, .num_key_value_heads and the head size: config.head_dim, or
-    hidden_size // num_attention_heads when the config has no head_dim (or it is None).
+    Use config.num_hidden_layers, .num_key_value_heads and the head size head_dim(config) (config.head_dim,
+    or hidden_size // num_attention_heads when the config has none).
     """
     raise NotImplementedError("Exercise 3.5: bytes of KV cache one token occupies: a key and a value vector per KV head per layer - see book/03_paged_kv.ipynb")

@@ -1,6 +1,6 @@
 # Your exercises for book/04_prefix_hashing.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch04")`) or: pytest tests/exercises/test_ch04_prefix_hashing.py
+# (`check("ch04")`, from nanoengine.check) or: pytest tests/exercises/test_ch04_prefix_hashing.py
 # Generated from solutions/ch04_prefix_hashing.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 04, book/04_prefix_hashing.ipynb: prefix caching with chained block hashes.
 

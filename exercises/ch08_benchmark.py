@@ -1,6 +1,6 @@
 # Your exercises for book/08_benchmark.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch08")`) or: pytest tests/exercises/test_ch08_benchmark.py
+# (`check("ch08")`, from nanoengine.check) or: pytest tests/exercises/test_ch08_benchmark.py
 # Generated from solutions/ch08_benchmark.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 08, book/08_benchmark.ipynb: what a benchmark measures, and what the machine allows.
 

@@ -25,6 +25,6 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
-    if name in _SUBMODULES:  # nanoengine.check("ch03") from a notebook
+    if name in _SUBMODULES:  # the check, assets and viz submodules as attributes after `import nanoengine`
         return import_module(f"nanoengine.{name}")
     raise AttributeError(f"module 'nanoengine' has no attribute {name!r}")

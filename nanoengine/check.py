@@ -1,5 +1,8 @@
-"""nanoengine.check("ch03"): run one chapter's exercise tests and print a short pass/fail table.
-Used by the check cell at the end of every book chapter (00-08).
+"""Run one chapter's exercise tests and print a short pass/fail table. The check cell at the end of every
+book chapter (00-08) does:
+
+    from nanoengine.check import check
+    check("ch03")
 
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
 exercises/ files are always picked up without restarting the kernel. By default they test your
@@ -13,7 +16,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import types
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,13 +162,3 @@ def check(chapter: str | int, impl: str | None = None) -> ChapterResult:
     result = run(chapter, impl)
     print(result.table())
     return result
-
-
-class _CallableModule(types.ModuleType):
-    """So that `nanoengine.check("ch03")` works whether `nanoengine.check` is this module or the function."""
-
-    def __call__(self, chapter: str | int, impl: str | None = None) -> ChapterResult:
-        return check(chapter, impl)
-
-
-sys.modules[__name__].__class__ = _CallableModule

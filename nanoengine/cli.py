@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from nanoengine import assets  # standard library only: keeps `nanoengine --help` fast
+
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "What is the capital of Japan?",
@@ -17,8 +19,6 @@ DEMO_QUESTIONS = [
 
 
 def cmd_assets(args: argparse.Namespace) -> int:
-    from nanoengine import assets
-
     if args.list:
         print(json.dumps(assets.describe(), indent=2))
         return 0
@@ -59,6 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from nanoengine.bench import run  # torch and the benchmark load only when they are needed
+
+    return run.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nanoengine", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -68,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--list", action="store_true", help="list assets and whether they are built")
     a.set_defaults(fn=cmd_assets)
     d = sub.add_parser("demo", help="answer a few questions with the default model")
-    d.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
+    d.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
     d.add_argument("--max-tokens", type=int, default=64)
     d.set_defaults(fn=cmd_demo)
     for name, chat in (("generate", False), ("chat", True)):
         g = sub.add_parser(name, help=f"stream a {'chat answer' if chat else 'completion'} for one prompt")
         g.add_argument("prompt")
-        g.add_argument("--model", default="smollm2-135m")
+        g.add_argument("--model", default=assets.DEFAULT_MODEL)
         g.add_argument("--max-tokens", type=int, default=128)
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
                                    "when installed, on a GPU) on one seeded workload; prints a table and writes "
                                    "a JSON result and a plot.")
-    b.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
+    b.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
     b.add_argument("--workload", default="cpu-small",
                    help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
                         "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | smoke")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out-dir", default="bench_results", help="where the JSON result goes")
     b.add_argument("--figures-dir", default="figures", help="where the plot goes")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
-    b.set_defaults(fn=lambda a: __import__("nanoengine.bench.run", fromlist=["main"]).main(a))
+    b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,26 +1,33 @@
 """EngineConfig: every engine option, validated in one place, plus the one place that picks
-device, dtype and attention backend. Chapter 00.
+device, dtype, attention backend and block size. Chapter 00.
 
-Unknown options are an error (with a suggestion), never silently dropped.
+Unknown options are an error (with a suggestion), never silently dropped; an option the engine does not
+implement yet (tensor parallelism, the Triton and flash-attn backends) is an error that says what to use
+instead, never accepted and ignored. Resolving a config never compiles anything: it asks whether the CPU
+kernels are built or can be built here (`nanoengine.kernels.cpu.build_problem`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoengine.assets import DEFAULT_MODEL
+
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu")
+NOT_BUILT_BACKENDS = ("triton", "flash_attn")  # planned (chapter 06), not in this version
 # Block size each attention backend works best with (the torch backend gathers whole blocks).
-DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16, "triton": 16, "flash_attn": 256}
+DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16}
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -32,6 +39,8 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    # vLLM's switch for CUDA graphs. This version always runs the model eagerly (CUDA graphs are chapter 06's
+    # next step), so both values run the same code today; the default keeps working on every device.
     enforce_eager: bool = False
     prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
     tensor_parallel_size: int = 1
@@ -59,6 +68,9 @@ class EngineConfig:
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        check(self.attention_backend not in NOT_BUILT_BACKENDS,
+              f"attention_backend={self.attention_backend!r} is not built yet in this version of nanoengine; "
+              "use 'auto' (the C++ kernels on CPU, PyTorch elsewhere), 'torch' or 'cpu'")
         check(self.attention_backend in BACKENDS,
               f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
@@ -69,19 +81,27 @@ class EngineConfig:
         check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
               "num_kvcache_blocks must be >= 1 (or None to size the cache from memory)")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
-        check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(self.tensor_parallel_size == 1,
+              f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet in this "
+              "version of nanoengine (chapter 07); use tensor_parallel_size=1 (one process)")
 
     def resolve(self, hf_config: Any) -> EngineConfig:
         """Fill the 'auto' choices from the machine and the model's config (the one place for them)."""
         import torch
+
+        from nanoengine.models.hf_config import checkpoint_dtype
 
         self.hf_config = hf_config
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or 'auto'")
+        from nanoengine.layers.linear import onednn_bf16_available
+
         if self.dtype == "auto":
-            self.dtype = str(model_dtype(hf_config)).removeprefix("torch.")
+            self.dtype = str(checkpoint_dtype(hf_config)).removeprefix("torch.")
         if self.device == "cpu" and self.dtype == "float16":
             # fp16 matmuls have no fast path on CPU (~400x slower than bf16 here)
             self.dtype = "bfloat16"
@@ -90,8 +110,6 @@ class EngineConfig:
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
         if self.prepack_weights is not False:  # None (auto) or True (asked for)
-            from nanoengine.layers.linear import onednn_bf16_available
-
             packable = self.device == "cpu" and self.dtype == "bfloat16" and onednn_bf16_available()
             if self.prepack_weights and not packable:
                 raise ValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
@@ -106,20 +124,21 @@ class EngineConfig:
         return self
 
     def _pick_attention_backend(self) -> str:
-        """'cpu' (the C++ decode kernel) on CPU when it builds here, else 'torch'."""
+        """'cpu' (the C++ kernels) on CPU when they are built or can be built here, else 'torch'."""
         if self.device != "cpu":
             if self.attention_backend == "cpu":
                 raise ValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only")
             return "torch"
-        from nanoengine.attention import cpu_backend
+        from nanoengine.kernels import cpu as cpu_kernels
 
-        reason = cpu_backend.unavailable_reason()
-        if reason is None:
+        problem = cpu_kernels.build_problem()
+        if problem is None:
             return "cpu"
         if self.attention_backend == "cpu":
-            raise ValueError(f"EngineConfig: attention_backend='cpu' could not be built ({reason}); "
+            raise ValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
                              "install a C++ compiler or use attention_backend='torch'")
-        cpu_backend.fall_back_warning(reason)
+        warnings.warn(f"nanoengine: the CPU kernels cannot be built here ({problem}); using the slower torch "
+                      "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=4)
         return "torch"
 
     @property
@@ -127,21 +146,3 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
-
-
-def model_dtype(hf_config: Any):
-    """The dtype a checkpoint was saved in (transformers 5 says `dtype`, older configs `torch_dtype`)."""
-    import torch
-
-    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
-    if isinstance(dt, str):
-        dt = getattr(torch, dt)
-    return dt
-
-
-def rope_theta(hf_config: Any) -> float:
-    """RoPE base: transformers 5 writes rope_parameters['rope_theta'], older configs a top-level rope_theta."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(hf_config, "rope_theta", 10000.0))

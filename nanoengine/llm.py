@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from nanoengine.assets import DEFAULT_MODEL
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
@@ -19,7 +20,7 @@ from nanoengine.tokenizer import apply_chat_template
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **engine_options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
         self.engine = LLMEngine(model, **engine_options)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer

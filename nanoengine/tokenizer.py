@@ -7,6 +7,7 @@ once it no longer ends in the replacement character U+FFFD.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,18 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every id the model may use to end a turn: generation_config's eos ids, config's, the tokenizer's."""
+    ids: set[int] = set()
+    gen = Path(model_path) / "generation_config.json"
+    values = [json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None,
+              getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    for value in values:
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return ids
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:

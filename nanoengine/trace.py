@@ -1,13 +1,16 @@
-"""Per-step trace events: what the scheduler batched, what the block manager did, and how long it took.
+"""Per-step records: what the scheduler batched, what the block manager did, and how long it took.
 Chapters 03 to 08.
 
-The engine appends one `StepTrace` per step when tracing is on (`LLM(..., trace=True)`); widgets and the
-benchmark read these plain records and never touch the engine.
+Every step appends a `StepStats` (a few numbers, always on: the benchmark reads them). With tracing on
+(`LLM(..., trace=True)`) it also appends a `StepTrace`: the step's `StepStats` plus who was scheduled, the
+block events the scheduler reported, and a snapshot of the block tables and the prefix cache. Widgets read
+these plain records and never touch the engine. Both use one clock: seconds since the engine was created.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -21,10 +24,27 @@ class StepStats:
     cache_hit_tokens: int  # prompt tokens served from the prefix cache for sequences admitted this step
     num_preempted: int
     schedule_s: float  # scheduler
-    prepare_s: float  # model runner: building the flat inputs and attention metadata on the host
-    forward_s: float  # model runner: prepare + forward + sampling
-    postprocess_s: float  # appending tokens, stop checks, detokenization
+    prepare_s: float  # input builder: the flat inputs and attention metadata, on the host
+    forward_s: float  # model runner: attention plan, forward, logits and sampling
+    postprocess_s: float  # appending tokens, stop rules, detokenization
     time: float  # seconds since the engine was created, at the end of the step
+
+    @property
+    def duration_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.postprocess_s
+
+    @classmethod
+    def of(cls, out: Any, block_manager: Any, times: tuple[float, float, float, float, float],
+           clock_start: float) -> StepStats:
+        """The numbers of one step from its SchedulerOutput, the block manager after it and its five time
+        stamps (start, scheduled, inputs built, forward done, end)."""
+        t0, t1, t2, t3, t4 = times
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        return cls(num_seqs=len(out.scheduled), prefill_tokens=prefill, decode_tokens=out.num_batched_tokens - prefill,
+                   used_blocks=block_manager.num_used_blocks, num_blocks=block_manager.num_blocks,
+                   cache_hit_tokens=sum(h for _, h in out.cache_hits), num_preempted=len(out.preempted),
+                   schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, postprocess_s=t4 - t3,
+                   time=t4 - clock_start)
 
 
 @dataclass
@@ -38,16 +58,14 @@ class ScheduledEntry:
 @dataclass
 class StepTrace:
     step: int
+    stats: StepStats
     scheduled: list[ScheduledEntry]
     token_budget: int
-    num_batched_tokens: int
-    blocks_allocated: list[int]
-    blocks_freed: list[int]
+    blocks_allocated: list[int]  # as the scheduler reported them (allocations for new tokens)
+    blocks_freed: list[int]  # by preemption and by finishing sequences
     cache_hits: list[tuple[int, int]]  # (seq_id, prefix-cache hit tokens) for sequences admitted this step
     preempted: list[int]
     finished: list[int]
-    num_free_blocks: int
-    num_blocks: int
     # snapshot after the step: seq_id -> block table; block_id -> ref count (used blocks only);
     # block ids that are free but still hold a cached hash
     block_tables: dict[int, list[int]] = field(default_factory=dict)
@@ -56,22 +74,35 @@ class StepTrace:
     block_hashes: dict[int, int] = field(default_factory=dict)  # block_id -> chained hash (full, computed blocks)
     block_tokens: dict[int, list[int]] = field(default_factory=dict)  # block_id -> token ids (hashed blocks)
     seq_num_tokens: dict[int, int] = field(default_factory=dict)  # running seq_id -> tokens so far
-    schedule_s: float = 0.0
-    forward_s: float = 0.0
-    postprocess_s: float = 0.0
-    time: float = 0.0  # seconds since the run started
 
+    # the step's numbers, read from its StepStats
     @property
     def prefill_tokens(self) -> int:
-        return sum(e.prefill_tokens for e in self.scheduled)
+        return self.stats.prefill_tokens
 
     @property
     def decode_tokens(self) -> int:
-        return sum(e.decode_tokens for e in self.scheduled)
+        return self.stats.decode_tokens
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.stats.prefill_tokens + self.stats.decode_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stats.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.stats.num_blocks - self.stats.used_blocks
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return self.stats.used_blocks / self.stats.num_blocks
+
+    @property
+    def time(self) -> float:
+        return self.stats.time
 
 
 @dataclass
@@ -83,6 +114,7 @@ class RunTrace:
     num_blocks: int = 0
     max_num_batched_tokens: int = 0
     prompts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> prompt token ids
+    start_time: float = 0.0  # on the steps' clock (seconds since the engine was created)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -100,3 +132,30 @@ class RunTrace:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts.values())
+
+    def add_prompts(self, seqs: list[Any]) -> None:
+        for s in seqs:
+            self.prompts[s.seq_id] = list(s.prompt_token_ids)
+
+    def record(self, out: Any, finished: list[Any], stats: StepStats, running: list[Any],
+               block_manager: Any) -> StepTrace:
+        """Append the step that produced SchedulerOutput `out` (after postprocess: num_computed_tokens already
+        counts this step's tokens), with a snapshot of the running sequences and the block manager."""
+        bm = block_manager
+        entries = [ScheduledEntry(s.seq.seq_id, s.num_new_tokens if s.is_prefill else 0, 0 if s.is_prefill else 1,
+                                  s.seq.num_computed_tokens - s.num_new_tokens)
+                   for s in out.scheduled]
+        hashed = [b for b in bm.blocks if b.hash is not None]
+        step = StepTrace(
+            step=len(self.steps), stats=stats, scheduled=entries, token_budget=self.max_num_batched_tokens,
+            blocks_allocated=list(out.blocks_allocated), blocks_freed=list(out.blocks_freed),
+            cache_hits=list(out.cache_hits), preempted=[s.seq_id for s in out.preempted],
+            finished=[s.seq_id for s in finished],
+            block_tables={s.seq_id: list(s.block_table) for s in running},
+            ref_counts={b.block_id: b.ref_count for b in bm.blocks if b.ref_count > 0},
+            cached_free_blocks=bm.get_cached_free_block_ids(),
+            block_hashes={b.block_id: b.hash for b in hashed},
+            block_tokens={b.block_id: list(b.token_ids) for b in hashed},
+            seq_num_tokens={s.seq_id: s.num_tokens for s in running})
+        self.steps.append(step)
+        return step

@@ -28,7 +28,7 @@ NAME = re.compile(r"ch(\d\d)_(\w+)\.py")
 HEADER = '''\
 # Your exercises for book/{notebook} -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
-# (`nanoengine.check("ch{nn}")`) or: pytest tests/exercises/test_ch{nn}_{topic}.py
+# (`check("ch{nn}")`, from nanoengine.check) or: pytest tests/exercises/test_ch{nn}_{topic}.py
 # Generated from solutions/{name} by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 '''
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoengine.config import rope_theta  # rope_theta(config) -> the RoPE base of a transformers config
+# rope_theta(config) -> the RoPE base of a transformers config
+from nanoengine.models.hf_config import rope_theta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

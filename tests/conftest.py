@@ -70,13 +70,13 @@ def seed():
 
 @pytest.fixture(scope="session")
 def cpu_kernels():
-    """nanoengine's compiled CPU kernels (nanoengine/attention/csrc). Skipped where they cannot be built;
+    """nanoengine's compiled CPU kernels (nanoengine/kernels/csrc). Skipped where they cannot be built;
     on CI (which has a compiler) that is a failure instead."""
-    from nanoengine.attention.cpu_backend import load_kernel, unavailable_reason
+    from nanoengine.kernels import cpu
 
-    why = unavailable_reason()
+    why = cpu.unavailable_reason()
     if why is not None:
         if os.environ.get("CI"):
             pytest.fail(f"the CPU kernels did not build: {why}")
         pytest.skip(f"no CPU kernels here: {why}")
-    return load_kernel()
+    return cpu.load()

@@ -250,15 +250,3 @@ def test_online_mode(tmp_path):
     assert eng["latency"]["e2e_s"]["p99"] >= eng["latency"]["ttft_s"]["p99"]
     assert all("skipped" in p for p in r["peers"])
     assert (tmp_path / "bench_smoke_online.png").exists() and "online-r50" in Path(r["json_path"]).name
-
-
-@pytest.mark.parametrize("args, match", [
-    (["--workload", "gpu-512"], "unknown workload"),
-    (["--num-requests", "0"], "num-requests"),
-    (["--online", "--request-rate", "0"], "request-rate"),
-    (["--peers", "hf,tgi"], "unknown peer"),
-])
-def test_cli_bad_input_is_one_line(args, match, capsys):
-    assert run_cli(*args) == 2
-    err = capsys.readouterr().err
-    assert match in err.splitlines()[0]

@@ -102,3 +102,21 @@ def test_tiny_qwen3_matches_transformers(config):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_smollm2_matches_transformers(config):
     check("smollm2-135m", CONFIGS[config])
+
+
+@pytest.mark.xdist_group("tiny")
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prompt_logits_match_transformers(backend, request):
+    """LLMEngine.prompt_logits (one prefill through the engine's model and KV cache) == transformers' logits."""
+    if backend == "cpu":
+        request.getfixturevalue("cpu_kernels")
+    path = assets.ensure("tiny-qwen3")
+    llm = LLM("tiny-qwen3", dtype="float32", attention_backend=backend, num_kvcache_blocks=16)
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    ours = llm.engine.prompt_logits(ids)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == theirs.shape == (len(ids), model.config.vocab_size)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
+    assert llm.engine.block_manager.num_free_blocks == 16, "prompt_logits must give its blocks back"

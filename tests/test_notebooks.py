@@ -46,8 +46,8 @@ def test_notebook_stored_clean_with_exercises_and_check(path):
     text = "\n".join(source(c) for c in cells(path))
     exercises = set(re.findall(rf"Exercise {int(nn)}\.(\d+)", text))
     assert len(exercises) >= 3, f"{path.name} presents {len(exercises)} exercises; a chapter has at least 3"
-    assert re.search(rf"nanoengine\.check\(\s*[\"']ch{nn}[\"']\s*\)", text), (
-        f"{path.name} needs a check cell: nanoengine.check(\"ch{nn}\")")
+    assert re.search(rf"from nanoengine\.check import check\s+check\(\s*[\"']ch{nn}[\"']\s*\)", text), (
+        f"{path.name} needs a check cell: from nanoengine.check import check, then check(\"ch{nn}\")")
 
 
 @pytest.mark.notebooks

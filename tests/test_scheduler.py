@@ -36,8 +36,8 @@ def seq_of(sched, tokens, **sp):
 def step(sched, token=1):
     """One engine step: schedule, then give a token to every seq that finished its prefill or decoded."""
     out = sched.schedule()
-    sampled = {s.seq.seq_id: token for s in out.scheduled
-               if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens}
+    sampled = [(s.seq, token) for s in out.scheduled
+               if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
     finished = sched.postprocess(out, sampled)
     return out, finished
 
@@ -82,7 +82,7 @@ def test_partial_chunk_gets_no_token_even_if_offered():
     a = seq_of(sched, range(10))
     sched.add(a)
     out = sched.schedule()
-    sched.postprocess(out, {a.seq_id: 5})
+    sched.postprocess(out, [(a, 5)])
     assert a.num_tokens == 10 and a.num_computed_tokens == 4
 
 
@@ -206,7 +206,7 @@ def test_sibling_of_aborted_first_is_not_stuck():
     sched.add(first)
     sched.add(sib)
     step(sched)
-    assert sched.abort(first.seq_id) and first.finish_reason == "abort"
+    assert sched.abort(first) and first.finish_reason == "abort"
     out, _ = step(sched)
     assert plan(out) == [(sib.seq_id, 4, True)]
 
@@ -271,8 +271,8 @@ def test_finish_and_abort():
     sched.add(b)
     sched.finish(a, "stop")  # e.g. a stop string matched
     assert a.finish_reason == "stop" and a.block_table == [] and sched.running == []
-    assert sched.abort(b.seq_id) and b.is_finished and not sched.has_unfinished()
-    assert not sched.abort(b.seq_id) and not sched.abort(12345)
+    assert sched.abort(b) and b.is_finished and not sched.has_unfinished()
+    assert not sched.abort(b) and not sched.abort(a)
     assert sched.block_manager.num_free_blocks == 64
 
 
@@ -326,10 +326,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, i):
         live = [s for s in self.seqs if not s.is_finished]
         if not live:
-            assert not self.sched.abort(-1)
+            assert not any(self.sched.abort(s) for s in self.seqs)  # all finished already: nothing to abort
             return
         seq = live[i % len(live)]
-        assert self.sched.abort(seq.seq_id)
+        assert self.sched.abort(seq)
         assert seq.is_finished and seq.finish_reason == "abort" and seq.block_table == []
 
     @rule(i=st.integers(0, 100))
@@ -352,7 +352,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out.preempted:
             assert out.cache_hits == []
         bm.check_invariants(self.seqs)
-        sampled = {}
+        sampled = []
         # slots that held computed K/V before this step, of sequences that still hold them (not preempted)
         valid_before = {(seq.block_table[pos // bs], pos % bs)
                         for seq, n in computed_before if seq.block_table for pos in range(n)}
@@ -379,7 +379,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 slot = (seq.block_table[pos // bs], pos % bs)
                 assert self.kv.get(slot) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
             if start + n == seq.num_tokens:
-                sampled[seq.seq_id] = EOS if rng.random() < 0.1 else rng.randrange(VOCAB)
+                sampled.append((seq, EOS if rng.random() < 0.1 else rng.randrange(VOCAB)))
         finished = sched.postprocess(out, sampled)
         for seq in finished:
             assert seq.is_finished and seq.block_table == [] and seq.finish_reason in ("stop", "length")
@@ -387,7 +387,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if seq.finish_reason == "length":
                 assert seq.num_completion_tokens == sp.max_tokens or seq.num_tokens >= sched._max_len
             else:
-                assert seq.last_token == EOS and not sp.ignore_eos
+                assert seq.token_ids[-1] == EOS and not sp.ignore_eos
 
     @invariant()
     def bookkeeping(self):

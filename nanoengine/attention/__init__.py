@@ -1,17 +1,22 @@
 """Attention over the paged KV cache. Chapter 03.
 
-A backend stores the new tokens' K/V into the cache (at `slot_mapping`) and computes attention of the new
-queries over each sequence's cached prefix plus themselves. `torch_backend` runs on any device and is the
-reference; faster backends keep its interface and are tested equal to it.
+A backend is a per-layer module with one interface:
+- `kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)`: its per-layer cache layout;
+- `plan(meta, kv_cache_shape)`, a classmethod the model runner calls once per step, before the forward: what
+  every layer of the step reads (index tensors, masks), returned as an `AttentionPlan` in `meta.plan`;
+- `forward(q, k, v, meta)`: store the new tokens' K/V into the cache (at `slot_mapping`) and attend the new
+  queries over each sequence's cached prefix plus themselves.
+`torch_backend` runs on any device and is the reference; faster backends keep its interface and are tested
+equal to it. A layer's output depends only on its arguments and its cache, which a CUDA graph needs.
 """
 
-from nanoengine.attention.metadata import AttentionMetadata
+from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
 from nanoengine.attention.torch_backend import TorchAttention
 
-__all__ = ["AttentionMetadata", "TorchAttention", "get_backend"]
+__all__ = ["AttentionMetadata", "AttentionPlan", "TorchAttention", "get_backend"]
 
 
-def get_backend(name: str):
+def get_backend(name: str) -> type[TorchAttention]:
     if name == "torch":
         return TorchAttention
     if name == "cpu":

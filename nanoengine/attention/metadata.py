@@ -2,14 +2,19 @@
 
 The batch is laid out decode sequences first (one query token each), then prefill sequences (one or more
 new tokens each, possibly after a cached prefix). Token i of the flat batch belongs to one sequence.
+`engine/inputs.py` builds it; the runner asks the backend to `plan` it once per step, before the forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+
+
+class AttentionPlan:
+    """What a backend derives from one step's metadata before the forward (index tensors, masks) and every
+    layer then reads: each backend's `plan(meta, kv_cache_shape)` returns its own subclass."""
 
 
 @dataclass
@@ -24,5 +29,6 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # cached prefix + new tokens
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_seq] int64
     block_size: int = 16
-    # per-step values a backend derives once and every layer reuses (index tensors, masks), by backend name
-    memo: dict[str, Any] = field(default_factory=dict)
+    # set by the model runner once per step (backend.plan); metadata built by hand (tests, the book) may
+    # leave it None, and each layer then plans for itself
+    plan: AttentionPlan | None = None

@@ -7,8 +7,8 @@ writing go through flat 2-D views of it, so each copy moves whole contiguous row
   batch's block tables for every head gives [num_kv_heads, batch, tokens, head_dim] with no further copy,
   which is what the grouped-query matmuls want. (On CPU, `index_select` along dim 0 of a 2-D tensor is a
   row memcpy; along dim 1 of the 4-D cache it was up to 4x slower.)
-The row indices and the decode length mask depend only on the batch, so the first layer computes them
-(`plan`) and the other layers reuse them from `meta.memo`.
+The row indices and the decode length mask depend only on the batch: `TorchAttention.plan` computes them
+once per step (the runner calls it before the forward) and every layer reads them from `meta.plan`.
 Decode: one gather for the whole batch, scores in fp32, length mask, softmax, matmul with V.
 Prefill: per sequence, attend over (cached prefix + new tokens) with a causal mask shifted by the prefix.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoengine.attention.metadata import AttentionMetadata
+from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -34,9 +34,10 @@ def per_head_rows(index: torch.Tensor, num_kv_heads: int, rows_per_head: int) ->
     return (index[None, :] + heads).flatten()
 
 
-def store_index(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+def store_index(slot_mapping: torch.Tensor,
+                kv_cache_shape: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(tokens to write or None for all, their rows in the slot view, head-major)."""
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    num_kv_heads, num_blocks, block_size, _ = kv_cache_shape
     tokens = None
     keep = slot_mapping >= 0  # -1: the token's K/V already sits in a shared prefix-cache block
     if not bool(keep.all()):
@@ -46,9 +47,9 @@ def store_index(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> tuple[torc
 
 
 def decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 kv_cache_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows of the block view for every kv head and table entry, mask [1, B, 1, L]: True = past the context)."""
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    num_kv_heads, num_blocks, block_size, _ = kv_cache_shape
     rows = per_head_rows(block_tables.flatten(), num_kv_heads, num_blocks)  # [kvh * B * max_blocks]
     positions = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)  # [L]
     mask = (positions[None, :] >= context_lens[:, None])[None, :, None, :]
@@ -56,19 +57,16 @@ def decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor,
 
 
 @dataclass
-class Plan:
-    """What every layer of one step reuses: store and gather rows, the decode mask."""
+class TorchPlan(AttentionPlan):
+    """What every layer of one step reuses: store rows, and the decode gather rows and mask."""
     store_tokens: torch.Tensor | None
     store_rows: torch.Tensor
     decode_rows: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
 
-
-def plan(meta: AttentionMetadata, k_cache: torch.Tensor, gather: bool = True) -> Plan:
-    p = Plan(*store_index(meta.slot_mapping, k_cache))
-    if meta.num_decode_seqs and gather:
-        p.decode_rows, p.decode_mask = decode_index(meta.decode_block_tables, meta.decode_context_lens, k_cache)
-    return p
+    @classmethod
+    def for_store(cls, slot_mapping: torch.Tensor, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
+        return cls(*store_index(slot_mapping, kv_cache_shape))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,7 +83,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Write each new token's K/V at its slot (block * block_size + offset); slot -1 = already cached, skip."""
-    write_kv(k, v, k_cache, v_cache, *store_index(slot_mapping, k_cache))
+    write_kv(k, v, k_cache, v_cache, *store_index(slot_mapping, k_cache.shape))
 
 
 def gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -122,7 +120,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention of one query token per sequence over its cached tokens (block_tables [B, max_blocks]
     padded with any block id, context_lens [B] including the new token)."""
-    return paged_decode(q, k_cache, v_cache, *decode_index(block_tables, context_lens, k_cache), scale)
+    return paged_decode(q, k_cache, v_cache, *decode_index(block_tables, context_lens, k_cache.shape), scale)
 
 
 GROUPED_PREFILL_MAX_SCORES = 1 << 21  # q_len * k_len up to this: grouped matmuls (scores fit in ~72 MB fp32)
@@ -152,12 +150,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 class TorchAttention(torch.nn.Module):
     kv_cache_shape = staticmethod(kv_cache_shape)
-    gathers_for_decode = True  # decode() uses the plan's gather rows and mask
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
+
+    @classmethod
+    def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
+        """The store rows and (with decodes) the gather rows and length mask of one step, for every layer."""
+        p = TorchPlan.for_store(meta.slot_mapping, kv_cache_shape)
+        if meta.num_decode_seqs:
+            p.decode_rows, p.decode_mask = decode_index(meta.decode_block_tables, meta.decode_context_lens,
+                                                        kv_cache_shape)
+        return p
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
@@ -168,9 +174,7 @@ class TorchAttention(torch.nn.Module):
                 s = slice(start, start + q_len)
                 out[s] = prefill_attention(q[s], k[s].transpose(0, 1), v[s].transpose(0, 1), self.scale)
             return out
-        p = meta.memo.get("torch")
-        if p is None:  # the first layer of the step plans; the others reuse it
-            p = meta.memo["torch"] = plan(meta, k_cache, self.gathers_for_decode)
+        p = meta.plan if meta.plan is not None else self.plan(meta, k_cache.shape)
         write_kv(k, v, k_cache, v_cache, p.store_tokens, p.store_rows)
         nd = meta.num_decode_seqs
         if nd == q.shape[0]:  # a pure decode step (most steps): no copy into `out`
@@ -187,6 +191,6 @@ class TorchAttention(torch.nn.Module):
             out[s] = prefill_attention(q[s], ks, vs, self.scale)
         return out
 
-    def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: Plan) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> torch.Tensor:
         # q [num_decode_seqs, num_heads, head_dim], their K/V already stored
         return paged_decode(q, self.k_cache, self.v_cache, plan.decode_rows, plan.decode_mask, self.scale)

@@ -116,7 +116,7 @@ def step_series(stats: Sequence[StepStats], t0: float | None = None) -> dict[str
         return {k: [] for k in ("time", "num_seqs", "prefill_tokens", "decode_tokens", "used_blocks")}
     if t0 is None:
         first = stats[0]
-        t0 = first.time - (first.schedule_s + first.forward_s + first.postprocess_s)
+        t0 = first.time - first.duration_s
     return {"time": [round(s.time - t0, 6) for s in stats], "num_seqs": [s.num_seqs for s in stats],
             "prefill_tokens": [s.prefill_tokens for s in stats], "decode_tokens": [s.decode_tokens for s in stats],
             "used_blocks": [s.used_blocks for s in stats], "num_blocks": stats[0].num_blocks}

@@ -38,6 +38,7 @@ def hf_static_batches(model_path: Path, workload: Workload, batch_size: int, dty
                       device: str = "cpu", seed: int = 0, greedy: bool = False, quiet: bool = True,
                       model: Any = None) -> dict[str, Any]:
     """transformers generate over the workload in batches of `batch_size`, left-padded, ignore_eos."""
+    import transformers
     from tqdm.auto import tqdm
 
     if model is None:
@@ -71,7 +72,7 @@ def hf_static_batches(model_path: Path, workload: Workload, batch_size: int, dty
     return {"peer": "hf", "name": f"transformers bs={batch_size}", "batch_size": batch_size,
             "sampling": "greedy" if greedy else f"do_sample, temperature {workload.temperature}, top_k off, "
                                                 "top_p 1",
-            "transformers": __import__("transformers").__version__,
+            "transformers": transformers.__version__,
             **throughput(workload.num_prompt_tokens, workload.num_output_tokens, seconds),
             "computed_positions": computed_positions, "useful_positions": useful,
             "padding_waste": 1 - useful / computed_positions}

@@ -29,61 +29,12 @@ Activations are left out (they are small next to the weights at these batch size
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from nanoengine.models.hf_config import ModelShape
 
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    dtype_bytes: int
-    qk_norm: bool = False  # Qwen3 normalizes q and k per head
-
-    @classmethod
-    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2) -> ModelShape:
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
-                   kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
-                   tied=bool(getattr(cfg, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes,
-                   qk_norm=getattr(cfg, "model_type", "") == "qwen3")
-
-    @property
-    def linear_params_per_layer(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h  # q, k, v, o
-        mlp = 3 * h * self.intermediate  # gate, up, down
-        return attn + mlp
-
-    @property
-    def linear_params(self) -> int:
-        """Non-embedding linear parameters (all layers)."""
-        return self.layers * self.linear_params_per_layer
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def norm_params(self) -> int:
-        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return self.layers * per_layer + self.hidden
-
-    @property
-    def weight_bytes_per_step(self) -> int:
-        return (self.linear_params + self.norm_params + self.lm_head_params) * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_position(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+__all__ = ["ModelShape", "roofline", "shape_dict", "workload_cost"]
 
 
 def _sum_range(lo: int, hi: int) -> int:

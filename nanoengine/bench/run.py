@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, SamplingParams, assets
 from nanoengine.bench import hardware
 from nanoengine.bench.metrics import request_latencies, step_series, step_summary, throughput
 from nanoengine.bench.peers import parse_peers, run_peers
@@ -121,7 +121,7 @@ def engine_options_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "hf_config"}
 
 
-def bench(model: str = "smollm2-135m", workload: str | Workload = "cpu-small", num_requests: int | None = None,
+def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-small", num_requests: int | None = None,
           *, online: bool = False, request_rate: float | None = None, peers: list[str] | None = None,
           peer_batches: list[int] | None = None, threads: int | None = None,
           engine_options: dict[str, Any] | None = None, out_dir: str | Path | None = "bench_results",

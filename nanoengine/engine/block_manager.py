@@ -82,10 +82,13 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens: the ceiling of num_tokens / block_size."""
+        return -(-num_tokens // self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks seq needs to hold num_computed_tokens + num_new_tokens tokens."""
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 
     # ------------------------------------------------------------------ prefix cache lookup
     def match_prefix(self, seq: Sequence) -> int:

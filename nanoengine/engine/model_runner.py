@@ -1,26 +1,28 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; turns a scheduled batch into next
-tokens. Chapters 03 and 06.
+"""ModelRunner: owns the model, the paged KV cache and the sampler; turns one step's ModelInput into next
+tokens. Chapter 03.
 
-One step: lay the batch out (decode sequences first, then prefill chunks), build the flat input ids,
-positions, slot mapping and block tables, run the model, compute logits only for sequences that reach
-their last token this step, and sample.
+Building: the model class from config.json's `architectures`, with the attention backend and the compiled
+kernels the config chose (`nanoengine.kernels.for_config`), then the weights, then the KV cache sized from
+memory. One step (`run`): the backend plans the step's attention once, the model runs over the flat batch,
+logits are computed only for the sampled rows (sequences that reach their last token), and the sampler
+draws a token for each. The inputs come from `engine/inputs.py`.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from nanoengine.attention import AttentionMetadata
+from nanoengine import kernels
+from nanoengine.attention import get_backend
 from nanoengine.config import EngineConfig
+from nanoengine.engine.inputs import ModelInput
+from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.linear import prepack_weights
 from nanoengine.layers.sampler import Sampler, SamplingBatch
-from nanoengine.models import get_model_class
-from nanoengine.models.llama import head_dim_of
+from nanoengine.models import get_model_class, hf_config
 from nanoengine.models.loader import load_model
 
 CPU_KV_CACHE_GB = 2.0  # default KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
@@ -45,35 +47,29 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        self.attn_backend = get_backend(config.attention_backend)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = get_model_class(hf)(hf, config.attention_backend)
+                self.model = get_model_class(hf)(hf, config.attention_backend, kernels.for_config(config))
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, model_path)
         self.model.eval()
         if config.prepack_weights:
             prepack_weights(self.model)
-        if config.attention_backend == "cpu":  # the compiled CPU kernels also fuse norms, rotary, SwiGLU
-            from nanoengine.attention.cpu_backend import use_cpu_kernels
-
-            use_cpu_kernels(self.model)
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = hf.num_key_value_heads
-        self.head_dim = head_dim_of(hf)
+        self.num_kv_heads = hf_config.num_kv_heads(hf)
+        self.head_dim = hf_config.head_dim(hf)
         self.num_blocks = self.allocate_kv_cache()
         self.sampler = Sampler(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
-        self.last_prepare_s = 0.0  # host time spent in prepare() in the last run (the benchmark reports it)
-        self.reset_decode_tables()
 
     # ------------------------------------------------------------------------------------------ KV cache
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * hf_config.kv_bytes_per_token(self.config.hf_config, self.dtype.itemsize)
 
     def allocate_kv_cache(self) -> int:
         cfg = self.config
@@ -89,102 +85,35 @@ class ModelRunner:
                 budget = CPU_KV_CACHE_GB * 2**30
             num_blocks = int(budget // self.bytes_per_block)
             # never more than every sequence at full length could use
-            most = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
+            most = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)  # ceil(max_model_len / bs)
             num_blocks = min(num_blocks, most)
             if num_blocks < 1:
                 raise ValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
-        attn = self.model.layers[0].self_attn.attn
-        layer_shape = attn.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        layer_shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache_shape = layer_shape  # one layer's K (or V) cache, in the backend's layout
         self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]  # the backend's layout, e.g. [kvh, blocks, bs, d]
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        self.model.bind_kv_cache(self.kv_cache)
         return num_blocks
 
     # ------------------------------------------------------------------------------------------ one step
-    def prepare(self, scheduled: list[Any]):
-        """Flat inputs for a batch of ScheduledSeq (any order); returns (input_ids, positions, meta,
-        sample_rows, sample_seqs)."""
-        bs = self.block_size
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs = []
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """Plan the step's attention once, then run the model: hidden states [num_tokens, hidden]."""
+        inp.attn.plan = self.attn_backend.plan(inp.attn, self.kv_cache_shape)
+        return self.model(inp.input_ids, inp.positions, inp.attn)
 
-        def add_tokens(seq, start: int, n: int) -> None:
-            table = seq.block_table
-            for pos in range(start, start + n):
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                # a token whose K/V already sits in a shared prefix-cache block is not written again
-                slots.append(-1 if pos < seq.num_cached_tokens else table[pos // bs] * bs + pos % bs)
-            if start + n == seq.num_tokens:  # reaches the end: this sequence gets a new token
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+    @torch.inference_mode()
+    def run(self, inp: ModelInput) -> list[tuple[Sequence, int]]:
+        """Run one step; return (sequence, next token) for every sequence that reached its last token."""
+        hidden = self.forward(inp)  # [num_tokens, hidden]
+        if not inp.sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[inp.sample_rows])  # [num_sampled, vocab] fp32
+        tokens = self.sampler(logits, self.sampling_batch(inp.sample_seqs)).tolist()
+        return list(zip(inp.sample_seqs, tokens))
 
-        for s in decodes:  # add_tokens(seq, num_computed_tokens, 1), inlined: this loop runs for every sequence
-            seq = s.seq
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(-1 if pos < seq.num_cached_tokens else seq.block_table[pos // bs] * bs + pos % bs)
-            if pos + 1 == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-        starts, qlens, ctxs, tables = [], [], [], []
-        for s in prefills:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            starts.append(len(input_ids))
-            qlens.append(s.num_new_tokens)
-            ctxs.append(start + s.num_new_tokens)
-            tables.append(torch.tensor(seq.block_table, dtype=torch.int64, device=self.device))
-            add_tokens(seq, start, s.num_new_tokens)
-        dev = self.device
-        if decodes:
-            dtables = torch.from_numpy(self.decode_block_tables(decodes)).to(dev)
-            dctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int64, device=dev)
-        else:
-            dtables = dctx = None
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_seqs=len(decodes), decode_block_tables=dtables, decode_context_lens=dctx,
-            prefill_query_starts=starts, prefill_query_lens=qlens, prefill_context_lens=ctxs,
-            prefill_block_tables=tables, block_size=bs,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, sample_rows, sample_seqs
-
-    def reset_decode_tables(self) -> None:
-        self._decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences, their padded tables
-        self._decode_lens: list[int] = []
-        self._decode_tables = np.zeros((0, 0), dtype=np.int64)
-
-    def decode_block_tables(self, decodes: list[Any]) -> np.ndarray:
-        """Padded [num_decodes, max_blocks] block tables. Consecutive steps mostly decode the same sequences,
-        and a table only grows (by one block every block_size tokens) until the block manager empties it
-        (preemption, counted in seq.num_table_resets), so the array of the last step is kept and only the
-        rows whose table grew are rewritten (at batch 256: 0.05 ms instead of 0.25 ms for a fresh
-        numpy fill, or 1.9 ms for torch.tensor on nested lists)."""
-        ids = [(s.seq.seq_id, s.seq.num_table_resets) for s in decodes]
-        lens = [len(s.seq.block_table) for s in decodes]
-        width = max(lens)
-        buf = self._decode_tables
-        if ids != self._decode_ids or width > buf.shape[1]:  # another batch: start afresh (with headroom)
-            buf = self._decode_tables = np.zeros((len(decodes), width + 8), dtype=np.int64)
-            self._decode_ids, self._decode_lens = ids, [0] * len(ids)
-        old = self._decode_lens
-        for i, n in enumerate(lens):
-            if n != old[i]:
-                buf[i, old[i]:n] = decodes[i].seq.block_table[old[i]:n]  # tables only ever grow at the end
-                old[i] = n
-        return buf[:, :width]
-
-    def sampling_batch(self, seqs: list[Any]) -> SamplingBatch:
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
         gens = []
         for s, p in zip(seqs, params):
@@ -207,18 +136,6 @@ class ModelRunner:
             generators=gens, all_greedy=all(p.greedy for p in params),
         )
 
-    @torch.inference_mode()
-    def run(self, scheduled: list[Any]) -> dict[int, int]:
-        """Run one batch; return {seq_id: next token} for sequences that reached their last token."""
-        t0 = time.perf_counter()
-        ids, pos, meta, rows, seqs = self.prepare(scheduled)
-        self.last_prepare_s = time.perf_counter() - t0
-        hidden = self.model(ids, pos, meta)  # [num_tokens, hidden]
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] fp32
-        tokens = self.sampler(logits, self.sampling_batch(seqs)).tolist()
-        return {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
-
-    def release(self, seq_id: int) -> None:
-        self.generators.pop(seq_id, None)
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence's sampling state."""
+        self.generators.pop(seq.seq_id, None)

@@ -73,7 +73,7 @@ class Scheduler:
                 raise ValueError(
                     f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = {total} exceeds max_model_len="
                     f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise max_model_len")
-        blocks = -(-total // self.block_size)
+        blocks = self.block_manager.blocks_for(total)
         num_blocks = self.block_manager.num_blocks
         if blocks > num_blocks:
             raise ValueError(
@@ -161,63 +161,66 @@ class Scheduler:
         return freed
 
     # ------------------------------------------------------------------ after the forward pass
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Account the computed tokens, cache full blocks, append sampled tokens, finish; return finished seqs.
+    def postprocess(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Account the computed tokens, cache full blocks, append sampled tokens, apply the stop rules; return
+        the sequences that finished.
 
-        `sampled` maps seq_id -> new token for every scheduled seq that completed its prefill or decoded this
-        step; a token for a seq still in the middle of a chunked prefill is ignored. Blocks freed by finishing
-        sequences are added to `out.blocks_freed`.
+        `sampled` holds (sequence, new token) for every scheduled sequence that reached its last token this
+        step (the model runner's output); a token for a sequence still in the middle of a chunked prefill is
+        ignored. Blocks freed by finishing sequences are added to `out.blocks_freed`.
         """
         bm = self.block_manager
-        finished = []
         for s in out.scheduled:
-            seq = s.seq
-            if seq.is_finished:  # aborted between schedule() and postprocess()
+            if not s.seq.is_finished:  # else: aborted between schedule() and postprocess()
+                s.seq.num_computed_tokens += s.num_new_tokens
+                bm.cache_full_blocks(s.seq)
+        finished = []
+        for seq, token in sampled:
+            if seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens or seq.seq_id not in sampled:
-                continue
-            token = sampled[seq.seq_id]
             seq.append_token(token)
-            reason = self._stop_reason(seq, token)
+            reason, stop_reason = self._stop_reason(seq, token)
             if reason is not None:
-                out.blocks_freed += self._finish(seq, reason)
+                out.blocks_freed += self._finish(seq, reason, stop_reason)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish reason, the stop token id that caused it) after `token` was appended; (None, None) = go on."""
         sp = seq.sampling_params
         past_min = seq.num_completion_tokens > sp.min_tokens
+        if past_min and token in sp.stop_token_ids:
+            return "stop", token
         if past_min and not sp.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if past_min and token in (sp.stop_token_ids or ()):
-            return "stop"
+            return "stop", None
         if sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens:
-            return "length"
+            return "length", None
         if seq.num_tokens >= self._max_len:
-            return "length"
-        return None
+            return "length", None
+        return None, None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark seq finished (e.g. a stop string matched), free its blocks, remove it from the queues."""
-        self._finish(seq, reason)
-
-    def _finish(self, seq: Sequence, reason: str) -> list[int]:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finish `seq` (e.g. its text reached a stop string): free its blocks and take it off the queues.
+        True if it was still running or waiting; a sequence the stop rules already finished in this step only
+        takes the new reason (a stop string wins over the length limit, as in vLLM)."""
         if seq.is_finished:
-            return []
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            return False
+        self._finish(seq, reason, stop_reason)
+        return True
+
+    def abort(self, seq: Sequence) -> bool:
+        """Remove an unfinished sequence wherever it is and free its blocks; False if it was already finished."""
+        if seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> list[int]:
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         return self.block_manager.free(seq)
-
-    def abort(self, seq_id: int) -> bool:
-        """Remove a sequence wherever it is and free its blocks; False if no unfinished seq has this id."""
-        for seq in (*self.running, *self.waiting):
-            if seq.seq_id == seq_id:
-                self._finish(seq, "abort")
-                return True
-        return False

@@ -34,7 +34,8 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
         self.block_table: list[int] = []
         self.num_table_resets = 0  # times the block manager emptied block_table (a table only grows between)
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.num_preemptions = 0
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the first one's prefill
         self.request_id: str | None = None
@@ -64,10 +65,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -75,10 +72,6 @@ class Sequence:
     def is_prefill(self) -> bool:
         """True while the prompt (or, after preemption, the prompt + generated tokens) is not all in cache."""
         return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
 
     def block_tokens(self, i: int) -> list[int]:
         """Token ids held by logical block i."""

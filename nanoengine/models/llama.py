@@ -1,35 +1,35 @@
 """A Llama-family decoder (Llama, SmolLM2; Qwen3 = this + per-head q/k RMSNorm). Chapter 02.
 
 Inputs are a flat batch of new tokens from many sequences ([num_tokens]); the attention layer reads and
-writes the paged KV cache through the batch's AttentionMetadata.
+writes the paged KV cache through the batch's AttentionMetadata. The model is built with its attention backend
+and, optionally, compiled `kernels` (chapter 06) that its norms, rotary and MLP use; rotary cos/sin are looked
+up once per forward and handed to every layer.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from nanoengine.attention import AttentionMetadata, get_backend
-from nanoengine.config import rope_theta
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.embedding import Embedding, LMHead
 from nanoengine.layers.linear import Linear, MergedLinear
 from nanoengine.layers.norm import RMSNorm
-from nanoengine.layers.rotary import RotaryEmbedding
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from nanoengine.layers.rotary import RotaryAngles, RotaryEmbedding
+from nanoengine.models import hf_config
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
+                 kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.head_dim = hf_config.head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
@@ -40,10 +40,10 @@ class Attention(nn.Module):
         self.attn = get_backend(backend)(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, angles: RotaryAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -51,20 +51,19 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.rotate(angles, q, k)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: ModuleType | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
-
-    kernels = None  # nanoengine's compiled CPU kernels, when the engine runs with them (chapter 06)
+        self.kernels = kernels  # the compiled CPU kernels' fused SwiGLU (chapter 06), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
@@ -73,20 +72,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
+                 kernels: ModuleType | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qk_norm, backend, rotary)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qk_norm, backend, rotary, kernels)
+        self.mlp = MLP(config, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, angles: RotaryAngles, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(angles, x, meta)
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual
 
@@ -99,24 +100,31 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, attention_backend: str = "torch") -> None:
+    def __init__(self, config: Any, attention_backend: str = "torch", kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, rotary)
+        self.rotary_emb = RotaryEmbedding(hf_config.head_dim(config), config.max_position_embeddings,
+                                          hf_config.rope_theta(config), kernels)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb, kernels)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Hand layer i its K and V caches: views of kv_cache [2, num_layers, *the backend's layer layout]."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        angles = self.rotary_emb.angles(positions, x.dtype)  # once; every layer rotates with it
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(angles, x, residual, meta)
         x, _ = self.norm.forward_add(x, residual)
         return x  # [num_tokens, hidden]
 

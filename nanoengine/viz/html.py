@@ -13,21 +13,27 @@ from typing import Any
 from nanoengine.viz.state import (
     CACHED,
     CACHED_COLOR,
+    CACHED_EDGE_COLOR,
     FINISH_COLOR,
     FREE,
+    HIT_COLOR,
+    HIT_RATE_COLOR,
+    KV_CACHED_COLOR,
+    KV_USED_COLOR,
+    MISS_COLOR,
     PREEMPT_COLOR,
     SHARED,
+    STEP_COLOR,
     BatchCompositionState,
     BlockCell,
     BlockTableState,
     KVUsageState,
     PrefixTreeState,
+    grid_columns,
     ink,
     short_text,
 )
 
-HIT_COLOR = "#b7e4a6"
-MISS_COLOR = "#f7c4b8"
 FONT = "font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;"
 
 
@@ -51,7 +57,7 @@ def block_grid_svg(st: BlockTableState, tokenizer: Any = None, selected: int | N
     """The pool as a grid of blocks: owners' colours side by side (pale above the fill level), shared blocks
     outlined with ×ref count, cached-but-free blocks dotted with their short hash, free blocks grey."""
     n = st.num_blocks
-    ncols = ncols or (min(n, 8) if n <= 64 else 16 if n <= 512 else 32)
+    ncols = ncols or grid_columns(n)
     size = 46 if n <= 64 else 22 if n <= 512 else 12
     gap = 4
     nrows = -(-n // ncols)
@@ -75,7 +81,7 @@ def block_grid_svg(st: BlockTableState, tokenizer: Any = None, selected: int | N
             if pale > 0:
                 out.append(f"<rect x='{x}' y='{y}' width='{size}' height='{pale:.1f}' fill='white' opacity='.65'/>")
         stroke = ("stroke='#000' stroke-width='2.5'" if c.status == SHARED else
-                  "stroke='#b59a3a' stroke-dasharray='3 2'" if c.status == CACHED else "stroke='#999'")
+                  f"stroke='{CACHED_EDGE_COLOR}' stroke-dasharray='3 2'" if c.status == CACHED else "stroke='#999'")
         if c.block_id == selected:
             stroke = "stroke='#ff9800' stroke-width='3.5'"
         out.append(f"<rect x='{x}' y='{y}' width='{size}' height='{size}' fill='none' {stroke}/>")
@@ -151,7 +157,7 @@ def batch_svg(st: BatchCompositionState, step: int | None = None, width: int = 6
     sy = lambda v: top + h - h * v / ymax
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' style='{FONT}'>"]
     if step is not None:
-        out.append(f"<rect x='{sx(step):.1f}' y='{top}' width='{bw:.1f}' height='{h}' fill='#ffd54f' "
+        out.append(f"<rect x='{sx(step):.1f}' y='{top}' width='{bw:.1f}' height='{h}' fill='{STEP_COLOR}' "
                    f"opacity='.45'/>")
     for g in st.segments:
         y0, y1 = sy(g.bottom), sy(g.bottom + g.tokens)
@@ -189,10 +195,11 @@ def kv_svg(st: KVUsageState, step: int | None = None, width: int = 640, height: 
     back = " ".join(f"{sx(s):.1f},{sy(u):.1f}" for s, u in reversed(list(enumerate(usage))))
     hit_pts = " ".join(f"{sx(s):.1f},{sy(r):.1f}" for s, r in enumerate(st.hit_rate))
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' style='{FONT}'>",
-           f"<polygon points='{stack_pts} {back}' fill='#f3d98b'><title>free, still cached</title></polygon>",
-           f"<polygon points='{sx(0):.1f},{sy(0):.1f} {used_pts} {sx(n - 1):.1f},{sy(0):.1f}' fill='#5b8def'>"
-           f"<title>blocks in use</title></polygon>",
-           f"<polyline points='{hit_pts}' fill='none' stroke='#2ca02c' stroke-width='2'>"
+           f"<polygon points='{stack_pts} {back}' fill='{KV_CACHED_COLOR}'><title>free, still cached</title>"
+           "</polygon>",
+           f"<polygon points='{sx(0):.1f},{sy(0):.1f} {used_pts} {sx(n - 1):.1f},{sy(0):.1f}' "
+           f"fill='{KV_USED_COLOR}'><title>blocks in use</title></polygon>",
+           f"<polyline points='{hit_pts}' fill='none' stroke='{HIT_RATE_COLOR}' stroke-width='2'>"
            f"<title>prefix-cache hit rate</title></polyline>"]
     for s in st.preempt_steps:
         out.append(f"<line x1='{sx(s):.1f}' y1='{top}' x2='{sx(s):.1f}' y2='{top + h}' stroke='{PREEMPT_COLOR}' "
@@ -205,8 +212,8 @@ def kv_svg(st: KVUsageState, step: int | None = None, width: int = 640, height: 
     out.append(f"<text x='{left - 4}' y='{top + 8}' text-anchor='end' font-size='10'>100%</text>"
                f"<text x='{left - 4}' y='{top + h}' text-anchor='end' font-size='10'>0</text>"
                f"<line x1='{left}' y1='{top + h}' x2='{left + w}' y2='{top + h}' stroke='#333'/>")
-    legend = [("#5b8def", "■ in use"), ("#d4b24c", "■ free, still cached"), ("#2ca02c", "— hit rate (cumulative)"),
-              (PREEMPT_COLOR, "┆ preemption")]
+    legend = [(KV_USED_COLOR, "■ in use"), ("#d4b24c", "■ free, still cached"),
+              (HIT_RATE_COLOR, "— hit rate (cumulative)"), (PREEMPT_COLOR, "┆ preemption")]
     for k, (col, label) in enumerate(legend):
         out.append(f"<text x='{left + k * w / 4:.0f}' y='{height - 6}' font-size='10' fill='{col}'>{label}</text>")
     out.append("</svg>")

@@ -28,6 +28,13 @@ FREE_COLOR = "#eeeeee"
 CACHED_COLOR = "#fffbe6"  # free, but still holds a hashed prefix: a prefix-cache hit can revive it
 PREEMPT_COLOR = "#d62728"
 FINISH_COLOR = "#222222"
+CACHED_EDGE_COLOR = "#b59a3a"  # the dashed outline of a cached-free block
+HIT_COLOR = "#b7e4a6"  # prefix-tree node reused from the prefix cache at least once
+MISS_COLOR = "#f7c4b8"  # prefix-tree node only ever computed
+STEP_COLOR = "#ffd54f"  # highlights the current step in the batch chart
+KV_USED_COLOR = "#5b8def"  # KV usage chart: blocks in use
+KV_CACHED_COLOR = "#f3d98b"  # KV usage chart: free, still cached
+HIT_RATE_COLOR = "#2ca02c"  # KV usage chart: cumulative prefix-cache hit rate
 
 FREE, USED, SHARED, CACHED = "free", "used", "shared", "cached"
 
@@ -36,6 +43,13 @@ def ink(color: str) -> str:
     """Black or white, whichever reads better on the hex colour `color`."""
     r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
     return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "#ffffff"
+
+
+def grid_columns(num_blocks: int) -> int:
+    """Columns of the block-pool grid (the same in the widget and the static figure)."""
+    if num_blocks <= 64:
+        return min(num_blocks, 8)
+    return 16 if num_blocks <= 512 else 32
 
 
 def check_trace(trace: Any) -> RunTrace:
@@ -312,7 +326,7 @@ def kv_usage_state(trace: RunTrace) -> KVUsageState:
         num_blocks=num_blocks, used_blocks=[s.num_blocks - s.num_free_blocks for s in trace.steps],
         cached_free_blocks=[len(s.cached_free_blocks) for s in trace.steps], hit_tokens=hit_tokens,
         prefill_tokens=prefill_tokens, preempt_steps=[s.step for s in trace.steps if s.preempted],
-        time=[s.time for s in trace.steps])
+        time=[s.time - trace.start_time for s in trace.steps])  # seconds since the run started
 
 
 # ---------------------------------------------------------------------------------------------- prefix tree

@@ -19,28 +19,27 @@ from nanoengine.trace import RunTrace
 from nanoengine.viz.state import (
     CACHED,
     CACHED_COLOR,
+    CACHED_EDGE_COLOR,
     FINISH_COLOR,
     FREE,
     FREE_COLOR,
+    HIT_COLOR,
+    HIT_RATE_COLOR,
+    KV_CACHED_COLOR,
+    KV_USED_COLOR,
+    MISS_COLOR,
     PREEMPT_COLOR,
     SHARED,
+    STEP_COLOR,
     BlockTableState,
     batch_composition_state,
     block_table_state,
+    grid_columns,
     ink,
     kv_usage_state,
     prefix_tree_state,
     short_text,
 )
-
-HIT_COLOR = "#b7e4a6"
-MISS_COLOR = "#f7c4b8"
-
-
-def grid_columns(num_blocks: int) -> int:
-    if num_blocks <= 64:
-        return min(num_blocks, 8)
-    return 16 if num_blocks <= 512 else 32
 
 
 def _new_axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
@@ -51,8 +50,8 @@ def _new_axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
 
 
 # ------------------------------------------------------------------------------------------------ block table
-def plot_block_table(trace: RunTrace, step: int, ax: Axes | None = None, tokenizer: Any = None,
-                     ncols: int | None = None, table_rows: int | None = None) -> Axes:
+def plot_block_table(trace: RunTrace, step: int, ax: Axes | None = None, ncols: int | None = None,
+                     table_rows: int | None = None) -> Axes:
     """The KV pool after `step` as a grid of blocks coloured by owner, with every block table beside it.
 
     Shared blocks are striped with their owners' colours and marked with their ref count; cached-but-free
@@ -89,7 +88,7 @@ def draw_block_table(st: BlockTableState, ax: Axes | None = None, ncols: int | N
                                        edgecolor="none"))
         edge = dict(facecolor="none", edgecolor="#999999", linewidth=0.8)
         if c.status == CACHED:
-            edge.update(hatch="....", edgecolor="#b59a3a", linestyle="--")
+            edge.update(hatch="....", edgecolor=CACHED_EDGE_COLOR, linestyle="--")
         elif c.status == SHARED:
             edge.update(edgecolor="black", linewidth=2.2)
         elif c.new:
@@ -140,7 +139,7 @@ def draw_block_table(st: BlockTableState, ax: Axes | None = None, ncols: int | N
                  f"{len(st.shared)} shared  (block size {st.block_size})", fontsize=9)
     handles = [Patch(facecolor="#888888", label="used (pale: unfilled slots)"),
                Patch(facecolor="white", edgecolor="black", linewidth=2, label="shared (×ref count)"),
-               Patch(facecolor=CACHED_COLOR, edgecolor="#b59a3a", hatch="....", linestyle="--",
+               Patch(facecolor=CACHED_COLOR, edgecolor=CACHED_EDGE_COLOR, hatch="....", linestyle="--",
                      label="free, still cached"),
                Patch(facecolor=FREE_COLOR, edgecolor="#999999", label="free")]
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 0), ncol=4, fontsize=7, frameon=False,
@@ -176,7 +175,7 @@ def plot_batch_composition(trace: RunTrace, ax: Axes | None = None, step: int | 
     for s in st.finished:
         ax.scatter([s], [st.totals[s] + 2.2 * lift], marker="v", s=28, color=FINISH_COLOR, zorder=5)
     if step is not None:
-        ax.axvspan(step - 0.5, step + 0.5, color="#ffd54f", alpha=0.35, zorder=0)
+        ax.axvspan(step - 0.5, step + 0.5, color=STEP_COLOR, alpha=0.35, zorder=0)
     ax.set_xlim(-0.7, st.num_steps - 0.3)
     ax.set_ylim(0, top * 1.18)
     ax.set_xlabel("engine step")
@@ -200,9 +199,9 @@ def plot_kv_usage(trace: RunTrace, ax: Axes | None = None, step: int | None = No
     st = kv_usage_state(trace)
     ax = _new_axes(ax, (7.5, 3.2))
     x = list(range(len(st.used_blocks)))
-    ax.stackplot(x, [st.usage, st.cached_fraction], colors=["#5b8def", "#f3d98b"], step="mid",
+    ax.stackplot(x, [st.usage, st.cached_fraction], colors=[KV_USED_COLOR, KV_CACHED_COLOR], step="mid",
                  labels=["blocks in use", "free, still cached"], alpha=0.85)
-    ax.plot(x, st.hit_rate, color="#2ca02c", linewidth=2, label="prefix-cache hit rate (cumulative)")
+    ax.plot(x, st.hit_rate, color=HIT_RATE_COLOR, linewidth=2, label="prefix-cache hit rate (cumulative)")
     for k, s in enumerate(st.preempt_steps):
         ax.axvline(s, color=PREEMPT_COLOR, linestyle=":", linewidth=1.2, label="preemption" if k == 0 else None)
     if step is not None:

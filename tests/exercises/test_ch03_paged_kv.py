@@ -20,21 +20,18 @@ NB = "03_paged_kv.ipynb"
 
 
 def engine_slots(block_table, start, end, block_size):
-    """The slot mapping nanoengine's ModelRunner.prepare builds for one sequence computing [start, end)."""
-    from nanoengine.engine.model_runner import ModelRunner
+    """The slot mapping nanoengine's InputBuilder builds for one sequence computing [start, end)."""
+    from nanoengine.engine.inputs import InputBuilder
     from nanoengine.engine.scheduler import ScheduledSeq
 
     seq = Sequence(list(range(end)), SamplingParams(), block_size)
     seq.block_table = list(block_table)
     seq.num_computed_tokens = start
-    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs no model: just the block size and device
-    runner.block_size, runner.device = block_size, torch.device("cpu")
-    runner.reset_decode_tables()
-    _, _, meta, _, _ = runner.prepare([ScheduledSeq(seq, end - start, end - start > 1)])
-    return meta.slot_mapping.tolist()
+    inp = InputBuilder(block_size).build([ScheduledSeq(seq, end - start, end - start > 1)])
+    return inp.attn.slot_mapping.tolist()
 
 
-def test_3_1_slot_mapping_matches_model_runner(ex):
+def test_3_1_slot_mapping_matches_input_builder(ex):
     where = book(NB, "3.1")
     rng = random.Random(31)
     for block_size in (1, 4, 16):
@@ -142,12 +139,11 @@ def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads
                      f"sequence {b} (length {n}, blocks {table}) vs dense attention", where, atol=1e-5)
 
 
-def test_3_5_kv_bytes_per_token_matches_model_runner(ex):
+def test_3_5_kv_bytes_per_token_matches_the_engine(ex):
     from transformers import LlamaConfig, Qwen3Config
 
     from nanoengine import assets
-    from nanoengine.engine.model_runner import ModelRunner
-    from nanoengine.models.llama import head_dim_of
+    from nanoengine.models.hf_config import kv_bytes_per_token
 
     where = book(NB, "3.5")
     configs = {
@@ -162,9 +158,6 @@ def test_3_5_kv_bytes_per_token_matches_model_runner(ex):
     }
     for name, config in configs.items():
         for dtype in (torch.float32, torch.bfloat16):
-            block_size = 16
-            runner = SimpleNamespace(dtype=dtype, num_layers=config.num_hidden_layers, block_size=block_size,
-                                     num_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config))
-            want = ModelRunner.bytes_per_block.fget(runner) // block_size
+            want = kv_bytes_per_token(config, dtype.itemsize)  # what the model runner sizes its cache with
             got = ex.kv_bytes_per_token(config, dtype)
             assert_equal(got, want, f"KV bytes per token of {name} in {dtype}", where)

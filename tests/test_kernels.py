@@ -1,12 +1,14 @@
-"""The CPU kernels' fused glue (RMSNorm with residual, rotary, SwiGLU) == the eager PyTorch layers they
+"""nanoengine.kernels: the CPU kernels' fused glue (RMSNorm with residual, rotary, SwiGLU) == the eager PyTorch layers they
 replace: bit for bit in bfloat16 (they round where the eager ops round), to float32 rounding in float32;
-and an engine with the kernels == one without them."""
+the paged decode kernel == the torch backend's decode; and an engine with the kernels == one without them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import make_layout
 
+import nanoengine.attention.torch_backend as torch_backend
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryEmbedding
@@ -35,9 +37,10 @@ def test_rms_norm_with_and_without_residual(kernels, dtype, rows, dim):
     norm.weight.data = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
     x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
     residual = torch.randn(rows, dim, generator=gen).to(dtype)
+    fused = RMSNorm(dim, 1e-5, kernels).to(dtype)
+    fused.weight.data = norm.weight.data
     want, (want_n, want_r) = norm(x), norm.forward_add(x, residual)
-    norm.kernels = kernels
-    got, (got_n, got_r) = norm(x), norm.forward_add(x, residual)
+    got, (got_n, got_r) = fused(x), fused.forward_add(x, residual)
     same(got, want, "rms_norm")
     same(got_n, want_n, "add + rms_norm: normed")
     same(got_r, want_r, "add + rms_norm: residual sum")
@@ -52,10 +55,9 @@ def test_rotary_on_views_of_qkv(kernels, dtype, heads, kv_heads, head_dim):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided views, as in the model
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 4000, (tokens,), generator=gen)
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    rope, fused = RotaryEmbedding(head_dim, 4096, 10000.0), RotaryEmbedding(head_dim, 4096, 10000.0, kernels)
     want_q, want_k = rope(positions, q, k)
-    rope.kernels = kernels
-    got_q, got_k = rope(positions, q, k)
+    got_q, got_k = fused(positions, q, k)
     same(got_q, want_q, "rotary q")
     same(got_k, want_k, "rotary k")
 
@@ -86,3 +88,35 @@ def test_engine_with_cpu_kernels_equals_torch_backend(kernels):
         assert llm.config.attention_backend == backend
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["cpu"] == outs["torch"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch, cpu_kernels):
+    """The kernel against the torch backend's decode in bfloat16 (the engine's CPU dtype), on long contexts."""
+    gen = torch.Generator().manual_seed(head_dim + batch)
+    num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 600
+    lens = torch.randint(1, 700, (batch,), generator=gen)
+    tables = make_layout(lens.tolist(), block_size, num_blocks, gen)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).bfloat16()
+    v_cache = torch.randn(shape, generator=gen).bfloat16()
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim ** -0.5
+    exact = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, lens, scale)
+    kernel = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale)
+    eager = torch_backend.decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    assert kernel.dtype == torch.bfloat16 and kernel.shape == q.shape
+    # the kernel accumulates in float32 and rounds once: no worse than the torch backend's bf16 matmuls
+    err_kernel = (kernel.double() - exact).abs().max().item()
+    err_eager = (eager.double() - exact).abs().max().item()
+    assert err_kernel <= max(err_eager, 4e-3), (err_kernel, err_eager)
+
+
+def test_cpu_kernel_rejects_bad_input(cpu_kernels):
+    q = torch.zeros(1, 4, 8)
+    cache = torch.zeros(3, 2, 4, 8)  # 4 query heads over 3 kv heads: not a group
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)

@@ -1,0 +1,125 @@
+"""Request and Completion: what the engine keeps per request, and per output stream. Chapter 05.
+
+`parse_prompt` turns what a user passes (text, token ids, or a vLLM-style dict) into token ids, checked.
+
+A request asks for `n` completions of one prompt. Each completion is one `Sequence` (the scheduler's view:
+tokens, blocks, status) plus a `Completion` (the user's view: the detokenizer, the text so far, and stop
+strings). `Completion.push(token)` is the one place a sampled token becomes text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanoengine.engine.sequence import Sequence
+from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.tokenizer import IncrementalDetokenizer
+
+
+def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as a string, a list of token ids, or a dict with
+    'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), check_token_ids(list(prompt["prompt_token_ids"]), vocab_size)
+        if "prompt" not in prompt:
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}")
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt: give at least one character or token id")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, check_token_ids(list(prompt), vocab_size)
+    raise TypeError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if not ids:
+        raise ValueError("empty prompt: give at least one token id")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+class Completion:
+    """One output stream: its sequence, its detokenizer, its text, and the stop string it hit (if any)."""
+
+    def __init__(self, seq: Sequence, tokenizer: Any) -> None:
+        self.seq = seq
+        self.params: SamplingParams = seq.sampling_params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
+        self.text = ""
+        self.stop_string: str | None = None  # set when the text reached one of params.stop_strings
+        self.num_sent = 0  # characters of `text` already returned as deltas
+        # a stop string may be completed by a later token, so the last len(longest stop) - 1 characters are
+        # held back until it is clear they stay (vLLM does the same); with the stop string kept in the output,
+        # nothing ever needs taking back
+        stops = self.params.stop_strings
+        self.holdback = 0 if self.params.include_stop_str_in_output or not stops else max(map(len, stops)) - 1
+
+    def push(self, token: int) -> str:
+        """Take a token the scheduler just appended to the sequence; return the new text to show. When the
+        text reaches a stop string it is cut there (after it with include_stop_str_in_output) and
+        `stop_string` is set: the caller then finishes the sequence. The deltas add up to `text`."""
+        new = self.detokenizer.push(token)
+        if self.seq.is_finished:
+            new += self.detokenizer.flush()
+        text = self.text + new
+        stop = self.find_stop_string(text, len(new))
+        if stop is not None:
+            cut, self.stop_string = stop
+            text = text[:cut]
+        self.text = text
+        done = self.seq.is_finished or self.stop_string is not None
+        end = len(text) if done else max(self.num_sent, len(text) - self.holdback)
+        delta, self.num_sent = text[self.num_sent:end], end
+        return delta
+
+    def find_stop_string(self, text: str, new_chars: int) -> tuple[int, str] | None:
+        """(cut position, stop string) of the earliest stop string that the last `new_chars` characters
+        completed, else None. Stop strings count only after min_tokens."""
+        params = self.params
+        if not params.stop_strings or self.seq.num_completion_tokens <= params.min_tokens or not new_chars:
+            return None
+        best = None
+        for stop in params.stop_strings:
+            start = max(0, len(text) - new_chars - len(stop) + 1)
+            idx = text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[2]):
+                cut = idx + len(stop) if params.include_stop_str_in_output else idx
+                best = (cut, stop, idx)
+        return None if best is None else best[:2]
+
+    def output(self) -> CompletionOutput:
+        seq = self.seq
+        return CompletionOutput(index=seq.index, text=self.text, token_ids=list(seq.completion_token_ids),
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[Completion]
+    metrics: RequestMetrics
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.completions]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        first = self.completions[0].seq
+        self.metrics.num_output_tokens = first.num_completion_tokens
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.output() for c in self.completions], self.finished, self.metrics,
+                             first.num_cached_tokens)

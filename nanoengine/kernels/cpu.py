@@ -1,0 +1,96 @@
+"""The compiled CPU kernels (csrc/cpu_kernels.cpp): building, caching and loading them. Chapters 03 and 06.
+
+One C++ extension holds four kernels: paged decode attention that reads K/V in place from the blocks (the
+`cpu` attention backend), and fused (residual +) RMSNorm, rotary and SwiGLU for the model's glue, which
+round where the eager ops round. It is compiled with the C++ compiler torch uses
+(`torch.utils.cpp_extension`, about 30 s) into `$NANOENGINE_HOME/kernels/<torch, python, cpu kind>/`, once:
+by `make assets` (`python -m nanoengine.kernels`), or at first use with a message saying so.
+
+Deciding whether to use them never compiles: `build_problem()` answers "is it built, or can it be built
+here" by looking for the built library, a compiler, ninja and the Python headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+NAME = "nanoengine_cpu_kernels"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# -ffast-math lets the compiler vectorize the dot products and exp; 512-bit vectors where the CPU has them
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
+def cpu_signature() -> str:
+    """A short hash of this CPU's instruction-set flags: the kernels are built with -march=native, so a
+    NANOENGINE_HOME shared between different machines needs one build per kind of CPU."""
+    flags = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), flags)
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def build_dir() -> Path:
+    from nanoengine import assets
+
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu{cpu_signature()}"
+    return assets.home() / "kernels" / tag.replace("+", "_")
+
+
+def is_built() -> bool:
+    return any(build_dir().glob(f"{NAME}*.so"))
+
+
+def build_problem() -> str | None:
+    """None when the kernels are built, or can be built here; else what is missing. Never compiles."""
+    if is_built():
+        return None
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not found)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        return "the Python development headers are missing (e.g. apt-get install python3-dev)"
+    return None
+
+
+@cache
+def load() -> ModuleType:
+    """The extension, compiled first if this machine has no build yet; raises when it cannot be built."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    if not is_built():
+        print("nanoengine: compiling the CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
+    try:
+        return load_extension(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=str(path))
+    except Exception as e:  # a compiler error or missing headers: say what to do instead
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        raise RuntimeError(f"nanoengine: the CPU kernels could not be built ({type(e).__name__}: {last}); "
+                           "install a C++ compiler (e.g. build-essential) or use attention_backend='torch'") from e
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels load here (building them if needed), else why not."""
+    try:
+        load()
+        return None
+    except RuntimeError as e:
+        return str(e)

@@ -1,0 +1,75 @@
+"""EngineConfig: engine options are checked when the LLM is built (clear errors, near-miss names), options
+not built yet are refused, and resolving for the device picks without compiling (fp16 is never used on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoengine import LLM, SamplingParams
+
+pytestmark = pytest.mark.xdist_group("tiny")
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def test_bad_engine_options_are_clear_errors():
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):
+        LLM("tiny-qwen3", max_model_len=10**6)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM("tiny-qwen3", block_size=0)
+    with pytest.raises(ValueError, match="can never fit the KV pool of 2 blocks"):
+        LLM("tiny-qwen3", num_kvcache_blocks=2, block_size=4).generate(["x " * 20], GREEDY, use_tqdm=False)
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
+        LLM("tiny-qwen3", max_num_seq=4)
+
+
+def test_fp16_is_never_used_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only rule")
+    llm = LLM("tiny-qwen3", dtype="float16", num_kvcache_blocks=8)
+    assert llm.config.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"tensor_parallel_size": 2}, r"tensor parallelism is not built yet.*tensor_parallel_size=1"),
+    ({"attention_backend": "triton"}, r"'triton' is not built yet.*use 'auto'.*'torch' or 'cpu'"),
+    ({"attention_backend": "flash_attn"}, r"'flash_attn' is not built yet"),
+    ({"attention_backend": "sdpa"}, r"attention_backend must be one of"),
+])
+def test_options_not_built_yet_are_refused_not_ignored(options, match):
+    from nanoengine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny-qwen3", **options)
+
+
+def tiny_hf_config():
+    from transformers import Qwen3Config
+
+    from nanoengine import assets
+
+    return Qwen3Config(**assets.TINY_QWEN3_DIMS)
+
+
+def test_resolving_never_compiles(monkeypatch):
+    """'auto' asks whether the CPU kernels are built or buildable; it never builds them itself."""
+    from nanoengine.config import EngineConfig
+    from nanoengine.kernels import cpu
+
+    def no_build():
+        raise AssertionError("EngineConfig.resolve must not load or compile the kernels")
+
+    monkeypatch.setattr(cpu, "load", no_build)
+    monkeypatch.setattr(cpu, "build_problem", lambda: None)
+    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend == "cpu"
+    monkeypatch.setattr(cpu, "build_problem", lambda: "no C++ compiler ('c++' not found)")
+    with pytest.warns(UserWarning, match=r"cannot be built here \(no C\+\+ compiler.*using the slower torch"):
+        assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend == "torch"
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be built here.*'torch'"):
+        EngineConfig(device="cpu", attention_backend="cpu").resolve(tiny_hf_config())
+

@@ -1,0 +1,85 @@
+"""InputBuilder, tested on its own like the scheduler (no model): the flat layout (decodes first, then
+prefill chunks), slots against a by-hand oracle, prefix-cache slots skipped, sampled rows, and the kept
+decode block tables == freshly padded ones through growth, batch changes and a reset (the block manager
+emptying a table on preemption, then refilling it with other blocks)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.scheduler import ScheduledSeq
+from nanoengine.engine.sequence import Sequence
+from nanoengine.sampling_params import SamplingParams
+
+
+def fresh(decodes):
+    width = max(len(s.seq.block_table) for s in decodes)
+    return np.array([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes])
+
+
+def seq_with(tokens, table, computed, cached=0, block_size=4):
+    seq = Sequence(list(tokens), SamplingParams(), block_size)
+    seq.block_table, seq.num_computed_tokens, seq.num_cached_tokens = list(table), computed, cached
+    return seq
+
+
+def test_layout_slots_and_sampled_rows():
+    bs = 4
+    decoding = seq_with(range(100, 110), [7, 3, 9], computed=9)  # 10 tokens, the last one new
+    chunk = seq_with(range(200, 212), [1, 5, 6], computed=0)  # a 12-token prompt, first 6 this step
+    hit = seq_with(range(300, 309), [11, 12, 13], computed=8, cached=8)  # prefix hit: only the last token new
+    tail = seq_with(range(400, 406), [2, 4], computed=2, cached=4)  # after a hit, computing from position 2
+    scheduled = [ScheduledSeq(chunk, 6, True), ScheduledSeq(decoding, 1, False), ScheduledSeq(hit, 1, True),
+                 ScheduledSeq(tail, 4, True)]
+    inp = InputBuilder(bs).build(scheduled)
+    # decodes (one new token) first, in scheduled order, then the prefill chunks
+    order = [(decoding, 9, 1), (hit, 8, 1), (chunk, 0, 6), (tail, 2, 4)]
+    want_ids = [t for seq, start, n in order for t in seq.token_ids[start:start + n]]
+    want_pos = [p for _, start, n in order for p in range(start, start + n)]
+    want_slots = [-1 if p < seq.num_cached_tokens else seq.block_table[p // bs] * bs + p % bs
+                  for seq, start, n in order for p in range(start, start + n)]
+    assert inp.input_ids.tolist() == want_ids and inp.positions.tolist() == want_pos
+    assert inp.attn.slot_mapping.tolist() == want_slots
+    assert want_slots[8:10] == [-1, -1]  # the tail's positions 2 and 3 sit in its prefix-cache block
+    meta = inp.attn
+    assert meta.num_decode_seqs == 2 and not inp.is_decode_only and inp.num_tokens == 12
+    assert meta.decode_context_lens.tolist() == [10, 9]
+    assert meta.decode_block_tables.tolist() == [[7, 3, 9], [11, 12, 13]]
+    assert meta.prefill_query_starts == [2, 8] and meta.prefill_query_lens == [6, 4]
+    assert meta.prefill_context_lens == [6, 6] and [t.tolist() for t in meta.prefill_block_tables] == [[1, 5, 6], [2, 4]]
+    # every sequence that reaches its last token is sampled, at its last row; the half-done chunk is not
+    assert inp.sample_rows == [0, 1, 11] and inp.sample_seqs == [decoding, hit, tail]
+    assert meta.plan is None  # planning is the attention backend's, once per step in the model runner
+
+
+def test_decode_only_batch_is_fixed_width():
+    seqs = [seq_with(range(n), list(range(i * 4, i * 4 + -(-n // 4))), computed=n - 1) for i, n in enumerate((3, 9, 5))]
+    inp = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs])
+    assert inp.is_decode_only and inp.sample_rows == [0, 1, 2]
+    assert inp.attn.decode_block_tables.shape == (3, 3) and inp.attn.slot_mapping.shape == (3,)
+
+
+def test_kept_decode_tables_equal_fresh_ones():
+    rng = random.Random(0)
+    builder = InputBuilder(4, torch.device("cpu"))
+    seqs = [Sequence([1, 2, 3], SamplingParams(), 4) for _ in range(5)]
+    for s in seqs:
+        s.block_table = [rng.randrange(1000)]
+    for step in range(200):
+        batch = [s for s in seqs if rng.random() < 0.9] or seqs[:1]  # sometimes a sequence sits out
+        for s in batch:
+            if rng.random() < 0.3:
+                s.block_table.append(rng.randrange(1000))  # a table grows at its end
+        if rng.random() < 0.05:  # preemption: emptied, then refilled with other blocks (maybe longer)
+            s = rng.choice(seqs)
+            n = len(s.block_table)
+            s.block_table.clear()
+            s.num_table_resets += 1
+            s.block_table.extend(rng.randrange(1000) for _ in range(n + rng.randint(0, 2)))
+        decodes = [ScheduledSeq(s, 1, False) for s in batch]
+        got = builder.decode_block_tables(decodes)
+        assert np.array_equal(got, fresh(decodes)), f"step {step}"
