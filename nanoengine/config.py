@@ -102,6 +102,10 @@ class EngineConfig:
 
         if self.dtype == "auto":
             self.dtype = str(checkpoint_dtype(hf_config)).removeprefix("torch.")
+            if self.device == "cpu" and self.dtype in ("float16", "bfloat16") and not onednn_bf16_available():
+                # a CPU without AVX-512 or AMX has no fast 16-bit matmul: bf16 linears ran 8x slower than
+                # float32 on an AVX2-only EPYC (and so does most of a laptop's prefill)
+                self.dtype = "float32"
         if self.device == "cpu" and self.dtype == "float16":
             # fp16 matmuls have no fast path on CPU (~400x slower than bf16 here)
             self.dtype = "bfloat16"

@@ -73,3 +73,16 @@ def test_resolving_never_compiles(monkeypatch):
     with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be built here.*'torch'"):
         EngineConfig(device="cpu", attention_backend="cpu").resolve(tiny_hf_config())
 
+
+def test_auto_dtype_on_cpu_follows_the_checkpoint_unless_bf16_is_slow_here(monkeypatch):
+    """'auto' keeps a bf16 checkpoint in bf16 where oneDNN has fast bf16 (AVX-512, AMX), else runs float32
+    (bf16 matmuls are ~8x slower than float32 on an AVX2-only CPU); an explicit dtype is kept."""
+    from nanoengine.config import EngineConfig
+    from nanoengine.layers import linear
+
+    cfg = tiny_hf_config()
+    cfg.dtype = "bfloat16"
+    for fast, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(linear, "onednn_bf16_available", lambda fast=fast: fast)
+        assert EngineConfig(device="cpu", attention_backend="torch").resolve(cfg).dtype == want
+        assert EngineConfig(device="cpu", attention_backend="torch", dtype="bfloat16").resolve(cfg).dtype == "bfloat16"
