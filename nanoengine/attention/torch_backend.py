@@ -95,7 +95,7 @@ def gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` cached tokens: [num_kv_heads, length, head_dim]."""
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
-    used = block_table[: (length + block_size - 1) // block_size]
+    used = block_table[: -(-length // block_size)]  # the blocks that hold `length` tokens
     blocks = gather_blocks(cache, per_head_rows(used, num_kv_heads, num_blocks))
     return blocks.view(num_kv_heads, -1, head_dim)[:, :length]
 

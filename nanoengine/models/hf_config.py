@@ -39,7 +39,11 @@ def checkpoint_dtype(cfg: Any):
 
 def kv_bytes_per_token(cfg: Any, dtype_bytes: int) -> int:
     """K and V of one token in every layer: 2 x layers x kv heads x head_dim x bytes per element."""
-    return 2 * cfg.num_hidden_layers * num_kv_heads(cfg) * head_dim(cfg) * dtype_bytes
+    return _kv_bytes(cfg.num_hidden_layers, num_kv_heads(cfg), head_dim(cfg), dtype_bytes)
+
+
+def _kv_bytes(layers: int, kv_heads: int, head_size: int, dtype_bytes: int) -> int:
+    return 2 * layers * kv_heads * head_size * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -91,4 +95,4 @@ class ModelShape:
 
     @property
     def kv_bytes_per_position(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return _kv_bytes(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
