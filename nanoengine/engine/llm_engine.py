@@ -117,12 +117,13 @@ class LLMEngine:
         finished = self.scheduler.postprocess(out, sampled)
         deltas = []
         for seq, token in sampled:
-            completion = self.requests[seq.request_id].completions[seq.index]
+            req = self.requests[seq.request_id]
+            completion = req.completions[seq.index]
             delta = completion.push(token)
             if completion.stop_string is not None and self.scheduler.finish(seq, "stop", completion.stop_string):
                 finished.append(seq)
             if delta:
-                deltas.append((self.requests[seq.request_id], seq.index, delta))
+                deltas.append((req, seq.index, delta))
         t4 = time.perf_counter()
         self.note_times(out, sampled, finished, t1, t3, t4)
         self.stats.append(StepStats.of(out, self.block_manager, (t0, t1, t2, t3, t4), self.start_time))
@@ -156,8 +157,9 @@ class LLMEngine:
         seq = Sequence(check_token_ids(list(token_ids), self.config.hf_config.vocab_size), SamplingParams(),
                        self.config.block_size)
         if not self.block_manager.can_allocate(seq, seq.num_tokens):
-            raise ValueError(f"a prompt of {seq.num_tokens} tokens does not fit the free KV blocks "
-                             f"({self.block_manager.num_free_blocks} of {self.config.block_size} tokens)")
+            raise ValueError(f"a prompt of {seq.num_tokens} tokens needs {self.block_manager.blocks_for(seq.num_tokens)} "
+                             f"KV blocks, {self.block_manager.num_free_blocks} are free; finish or abort the running "
+                             "requests, or give the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)
         try:
             hidden = self.runner.forward(self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)]))
