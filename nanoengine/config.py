@@ -2,7 +2,7 @@
 device, dtype, attention backend and block size. Chapter 00.
 
 Unknown options are an error (with a suggestion), never silently dropped; an option the engine does not
-implement yet (tensor parallelism, the Triton and flash-attn backends) is an error that says what to use
+implement yet (the Triton and flash-attn backends) is an error that says what to use
 instead, never accepted and ignored. Resolving a config never compiles anything: it asks whether the CPU
 kernels are built or can be built here (`nanoengine.kernels.cpu.build_problem`).
 """
@@ -83,9 +83,6 @@ class EngineConfig:
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        check(self.tensor_parallel_size == 1,
-              f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet in this "
-              "version of nanoengine (chapter 07); use tensor_parallel_size=1 (one process)")
 
     def resolve(self, hf_config: Any) -> EngineConfig:
         """Fill the 'auto' choices from the machine and the model's config (the one place for them)."""
@@ -98,6 +95,7 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or 'auto'")
+        self._check_tensor_parallel(hf_config)
         from nanoengine.layers.linear import onednn_bf16_available
 
         if self.dtype == "auto":
@@ -126,6 +124,36 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: max_model_len={self.max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
         return self
+
+    def _check_tensor_parallel(self, hf_config: Any) -> None:
+        """Tensor parallelism splits attention heads, KV heads and the vocabulary evenly across ranks, and
+        puts one rank on each GPU: refuse a size that cannot, before any process starts."""
+        import torch
+
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        from nanoengine.models.hf_config import num_kv_heads
+
+        sizes = {"attention heads (num_attention_heads)": hf_config.num_attention_heads,
+                 "KV heads (num_key_value_heads)": num_kv_heads(hf_config),
+                 "vocabulary (vocab_size)": hf_config.vocab_size}
+        bad = [f"{n} {what}" for what, n in sizes.items() if n % tp]
+        if bad:
+            works = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
+            works = [d for d in works if d <= sizes["attention heads (num_attention_heads)"]]
+            raise ValueError(f"EngineConfig: tensor_parallel_size={tp} must divide the model's "
+                             f"{', '.join(bad)} evenly, since each rank holds an equal share; "
+                             f"sizes that work for this model: {', '.join(map(str, works))}")
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
+                             f"{torch.cuda.device_count()} CUDA device(s) are visible; use tensor_parallel_size <= "
+                             f"{torch.cuda.device_count()} or device='cpu' (gloo, for learning and testing)")
+
+    @property
+    def dist_backend(self) -> str:
+        """The torch.distributed backend for tensor parallelism: NCCL when every rank has a GPU, else gloo."""
+        return "nccl" if self.device == "cuda" else "gloo"
 
     def _pick_attention_backend(self) -> str:
         """'cpu' (the C++ kernels) on CPU when they are built or can be built here, else 'torch'."""

@@ -34,7 +34,6 @@ def test_fp16_is_never_used_on_cpu():
 
 
 @pytest.mark.parametrize("options,match", [
-    ({"tensor_parallel_size": 2}, r"tensor parallelism is not built yet.*tensor_parallel_size=1"),
     ({"attention_backend": "triton"}, r"'triton' is not built yet.*use 'auto'.*'torch' or 'cpu'"),
     ({"attention_backend": "flash_attn"}, r"'flash_attn' is not built yet"),
     ({"attention_backend": "sdpa"}, r"attention_backend must be one of"),
@@ -46,6 +45,28 @@ def test_options_not_built_yet_are_refused_not_ignored(options, match):
         EngineConfig(**options)
     with pytest.raises(ValueError, match=match):
         LLM("tiny-qwen3", **options)
+
+
+@pytest.mark.parametrize("dims,tp,match", [
+    ({"num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152}, 2,  # SmolLM2-135M's heads
+     r"tensor_parallel_size=2 must divide the model's 9 attention heads.*3 KV heads.*sizes that work.*: 1, 3$"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1001}, 2,
+     r"1001 vocabulary \(vocab_size\).*sizes that work for this model: 1$"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}, 4,
+     r"must divide the model's 2 KV heads \(num_key_value_heads\) evenly.*: 1, 2$"),
+])
+def test_tensor_parallel_size_must_divide_heads_kv_heads_and_vocab(dims, tp, match):
+    """Refused while resolving the config, before any worker process starts, with the sizes that would work."""
+    from transformers import Qwen3Config
+
+    from nanoengine import assets
+    from nanoengine.config import EngineConfig
+
+    hf = Qwen3Config(**{**assets.TINY_QWEN3_DIMS, **dims})
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(device="cpu", tensor_parallel_size=tp).resolve(hf)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
 
 
 def tiny_hf_config():
