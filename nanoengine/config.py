@@ -1,10 +1,18 @@
 """EngineConfig: every engine option, validated in one place, plus the one place that picks
 device, dtype, attention backend and block size. Chapter 00.
 
-Unknown options are an error (with a suggestion), never silently dropped; an option the engine does not
-implement yet (the Triton and flash-attn backends) is an error that says what to use
-instead, never accepted and ignored. Resolving a config never compiles anything: it asks whether the CPU
-kernels are built or can be built here (`nanoengine.kernels.cpu.build_problem`).
+Unknown options are an error (with a suggestion), never silently dropped; an option that cannot work here
+(a backend whose package is missing, a block size a backend cannot use) is an error that says why and what
+would work, never accepted and ignored. Resolving a config never compiles anything: it asks whether the
+CPU kernels are built or can be built here (`nanoengine.kernels.cpu.build_problem`), whether triton is
+installed (and on CPU, whether its interpreter is switched on), and whether flash_attn imports.
+
+Attention backend and block size ('auto'/None are picked, an explicit choice is checked):
+- cpu: `cpu` (the C++ kernels) if they build here, else `torch`; `triton` only when asked for, and only with
+  TRITON_INTERPRET=1 set (its interpreter); block size 16.
+- cuda: `flash_attn` if it imports and can serve the config (fp16/bf16; block size unset or a multiple of
+  256), else `triton`, else `torch`; block size 256 for flash_attn, else 16.
+`triton` takes any power-of-two block size; `torch` and `cpu` any positive one.
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ from nanoengine.assets import DEFAULT_MODEL
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "cpu")
-NOT_BUILT_BACKENDS = ("triton", "flash_attn")  # planned (chapter 06), not in this version
-# Block size each attention backend works best with (the torch backend gathers whole blocks).
-DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16}
+BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
+# Block size each attention backend works best with (the torch backend gathers whole blocks; flash-attn's
+# paged KV cache needs a multiple of 256 tokens per block).
+DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16, "triton": 16, "flash_attn": 256}
+FLASH_ATTN_DTYPES = ("float16", "bfloat16")
+FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
 @dataclass
@@ -68,9 +78,6 @@ class EngineConfig:
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
-        check(self.attention_backend not in NOT_BUILT_BACKENDS,
-              f"attention_backend={self.attention_backend!r} is not built yet in this version of nanoengine; "
-              "use 'auto' (the C++ kernels on CPU, PyTorch elsewhere), 'torch' or 'cpu'")
         check(self.attention_backend in BACKENDS,
               f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
@@ -107,10 +114,10 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             # fp16 matmuls have no fast path on CPU (~400x slower than bf16 here)
             self.dtype = "bfloat16"
-        if self.attention_backend in ("auto", "cpu"):
-            self.attention_backend = self._pick_attention_backend()
+        self.attention_backend = self._pick_attention_backend()
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
+        self._check_block_size()
         if self.prepack_weights is not False:  # None (auto) or True (asked for)
             packable = self.device == "cpu" and self.dtype == "bfloat16" and onednn_bf16_available()
             if self.prepack_weights and not packable:
@@ -156,11 +163,56 @@ class EngineConfig:
         return "nccl" if self.device == "cuda" else "gloo"
 
     def _pick_attention_backend(self) -> str:
+        """The backend for this device and dtype: 'auto' picks (see the module docstring), an explicit
+        choice is checked; both say why when a backend cannot run here."""
+        from nanoengine.attention import flash_attn_backend
+        from nanoengine.kernels import triton_support
+
+        want = self.attention_backend
+        if want == "torch":
+            return want
+        if want == "triton":
+            problem = triton_support.problem(self.device)
+            if problem:
+                raise ValueError(f"EngineConfig: attention_backend='triton' cannot run here: {problem}")
+            return want
+        if self.device == "cpu":
+            if want == "flash_attn":
+                raise ValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' only; on CPU "
+                                 "use 'auto' (the C++ kernels), 'cpu', 'torch' or 'triton' (TRITON_INTERPRET=1)")
+            return self._pick_cpu_kernels()
+        if want == "cpu":
+            raise ValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA use 'auto', "
+                             "'flash_attn', 'triton' or 'torch'")
+        flash_problem = self._flash_attn_problem(flash_attn_backend.problem())
+        if want == "flash_attn":
+            if flash_problem:
+                raise ValueError(f"EngineConfig: attention_backend='flash_attn' cannot run here: {flash_problem}")
+            return want
+        if flash_problem is None:  # auto on CUDA
+            return "flash_attn"
+        triton_problem = triton_support.problem(self.device)
+        if triton_problem is None:
+            return "triton"
+        warnings.warn(f"nanoengine: neither flash_attn ({flash_problem}) nor triton ({triton_problem}) can run "
+                      "here; using the slower torch attention backend", stacklevel=4)
+        return "torch"
+
+    def _flash_attn_problem(self, import_problem: str | None) -> str | None:
+        """Why flash_attn cannot serve this config (import, dtype, block size), or None."""
+        if import_problem:
+            return f"{import_problem}; pip install flash-attn, or use attention_backend='triton'"
+        if self.dtype not in FLASH_ATTN_DTYPES:
+            return (f"flash-attn computes in float16 or bfloat16, not dtype={self.dtype!r}; use dtype='bfloat16' "
+                    "or attention_backend='triton' (any dtype)")
+        if self.block_size is not None and self.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+            return (f"flash-attn's paged KV cache needs a block size that is a multiple of "
+                    f"{FLASH_ATTN_BLOCK_MULTIPLE}, not block_size={self.block_size}; leave block_size unset "
+                    f"({DEFAULT_BLOCK_SIZE['flash_attn']}) or use attention_backend='triton' for smaller blocks")
+        return None
+
+    def _pick_cpu_kernels(self) -> str:
         """'cpu' (the C++ kernels) on CPU when they are built or can be built here, else 'torch'."""
-        if self.device != "cpu":
-            if self.attention_backend == "cpu":
-                raise ValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only")
-            return "torch"
         from nanoengine.kernels import cpu as cpu_kernels
 
         problem = cpu_kernels.build_problem()
@@ -170,8 +222,17 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
                              "install a C++ compiler or use attention_backend='torch'")
         warnings.warn(f"nanoengine: the CPU kernels cannot be built here ({problem}); using the slower torch "
-                      "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=4)
+                      "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=5)
         return "torch"
+
+    def _check_block_size(self) -> None:
+        """A block size the chosen backend can use, or an error saying what would work (flash_attn's was
+        checked when it was picked)."""
+        bs = self.block_size
+        if self.attention_backend == "triton" and bs & (bs - 1):
+            lower = 1 << (bs.bit_length() - 1)
+            raise ValueError(f"EngineConfig: attention_backend='triton' needs a power-of-two block_size, not "
+                             f"{bs}; use {lower} or {lower * 2} (default {DEFAULT_BLOCK_SIZE['triton']})")
 
     @property
     def torch_dtype(self):

@@ -1,8 +1,12 @@
-"""Paged attention (torch backend, and the CPU backend's C++ decode kernel) == dense causal attention, for
-prefill with and without a cached prefix and for batched decode, with ragged lengths and scattered blocks;
-and a plan made once by the runner == each layer planning for itself."""
+"""Paged attention (torch backend, the CPU backend's C++ decode kernel, the Triton backend's kernels under the
+interpreter on CPU) == dense causal attention, for prefill with and without a cached prefix and for batched
+decode, with ragged lengths and scattered blocks; and a plan made once by the runner == each layer planning
+for itself. `make_batch` builds such a step; tests/test_triton_kernels.py reuses it."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,7 +14,30 @@ import torch
 import nanoengine.attention.torch_backend as torch_backend
 from nanoengine.attention import AttentionMetadata, get_backend
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", "cpu", "triton"]
+
+# Without CUDA the Triton kernels run in Triton's interpreter, which triton switches on when a kernel is
+# defined (at the first import of nanoengine's kernel modules): set here, at collection, before any test
+# imports them. tests/test_triton_*.py import this module, so they get it too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def triton_kernels():
+    """nanoengine's Triton kernels, compiled on CUDA or interpreted on CPU. Skipped where triton is not
+    installed; on CI (whose dev extra installs it) that is a failure instead."""
+    from nanoengine.kernels import triton_support
+
+    if not triton_support.installed():
+        if os.environ.get("CI"):
+            pytest.fail("triton is not installed (the dev extra installs it)")
+        pytest.skip("triton is not installed")
+    from nanoengine.kernels import triton_store
+
+    if not torch.cuda.is_available() and not triton_support.is_interpreted(triton_store.store_kv_kernel):
+        pytest.fail("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
+    return triton_store
 
 
 def dense_attention(q, k, v, scale):
@@ -34,32 +61,34 @@ def make_layout(lens, block_size, num_blocks, gen):
     return tables
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128), (6, 2, 32)])
-@pytest.mark.parametrize("grouped_prefill", [True, False])
-@pytest.mark.parametrize("planned", [True, False], ids=["planned_once", "layer_plans"])
-def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, planned,
-                            monkeypatch, request):
-    if backend == "cpu":
-        request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
-    if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
-        monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
-    gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
-    scale = head_dim ** -0.5
-    # (total length, tokens already cached before this step): decodes (new = 1), a fresh prefill,
-    # and prefills after a cached prefix (chunked prefill / prefix-cache hit)
-    seqs = [(37, 36), (5, 4), (1, 0), (23, 0), (40, 17), (9, 8), (64, 32)]
+@dataclass
+class Batch:
+    """One step over a pre-filled paged cache: decodes first, then prefills, as InputBuilder lays them out."""
+    attn: torch.nn.Module  # the backend's layer, its caches bound
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim] the new tokens
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    meta: AttentionMetadata
+    seqs: list[tuple[int, int]]  # (total length, cached before this step), in batch order
+    full: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # every position's q, k, v per sequence
+    slots: list[int]
+
+
+# (total length, tokens already cached before this step): decodes (new = 1), a fresh prefill,
+# and prefills after a cached prefix (chunked prefill / prefix-cache hit)
+SEQS = [(37, 36), (5, 4), (1, 0), (23, 0), (40, 17), (9, 8), (64, 32)]
+
+
+def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen, num_blocks=200,
+               dtype=torch.float32):
     decodes = [s for s in seqs if s[0] - s[1] == 1]
-    prefills = [s for s in seqs if s[0] - s[1] > 1]
-    order = decodes + prefills
-    num_blocks = 200
+    order = decodes + [s for s in seqs if s[0] - s[1] > 1]
     tables = make_layout([n for n, _ in order], block_size, num_blocks, gen)
-    attn = get_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
-    attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
+    attn = get_backend(backend)(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
     attn.v_cache = torch.zeros_like(attn.k_cache)
-    full = [(torch.randn(n, num_heads, head_dim, generator=gen), torch.randn(n, num_kv_heads, head_dim, generator=gen),
-             torch.randn(n, num_kv_heads, head_dim, generator=gen)) for n, _ in order]
+    full = [tuple(torch.randn(n, h, head_dim, generator=gen).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
+            for n, _ in order]
     # pre-fill the cache with the cached prefixes (the reference writes slots by hand: [kvh, block, offset, d])
     for (_n, cached), table, (_, k, v) in zip(order, tables, full):
         for p in range(cached):
@@ -85,20 +114,46 @@ def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_d
         slot_mapping=torch.tensor(slots), num_decode_seqs=len(decodes), decode_block_tables=dtables,
         decode_context_lens=torch.tensor([n for n, _ in decodes]), prefill_query_starts=starts,
         prefill_query_lens=qlens, prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
+    return Batch(attn, torch.cat(qs), torch.cat(ks), torch.cat(vs), meta, order, full, slots)
+
+
+def expected_outputs(batch):
+    """Dense fp64 attention of every sequence's new tokens: [num_tokens, num_heads, head_dim]."""
+    scale = batch.attn.scale
+    return torch.cat([dense_attention(q, k, v, scale)[cached:] for (_, cached), (q, k, v) in zip(batch.seqs, batch.full)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128), (6, 2, 32)])
+@pytest.mark.parametrize("grouped_prefill", [True, False])
+@pytest.mark.parametrize("planned", [True, False], ids=["planned_once", "layer_plans"])
+def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, planned,
+                            monkeypatch, request):
+    if backend == "cpu":
+        request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
+    if backend == "triton":
+        if not grouped_prefill or not planned:  # the interpreter is slow: only the variants that concern it
+            pytest.skip("the torch backend's prefill variants and per-layer planning are tested on torch")
+        request.getfixturevalue("triton_kernels")  # the interpreter on CPU; skips without triton
+    if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
+        monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
+    gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
+    b = make_batch(backend, SEQS, num_heads, num_kv_heads, head_dim, block_size, gen)
     if planned:  # as the model runner does once per step; without it each layer plans for itself
-        meta.plan = attn.plan(meta, attn.k_cache.shape)
-    out = attn(torch.cat(qs), torch.cat(ks), torch.cat(vs), meta)
-    assert out.shape == (ntok, num_heads, head_dim)
+        b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
+    out = b.attn(b.q, b.k, b.v, b.meta)
+    assert out.shape == b.q.shape
+    want = expected_outputs(b)
     offset = 0
-    for (n, cached), (q, k, v) in zip(order, full):
-        want = dense_attention(q, k, v, scale)[cached:]
-        got = out[offset: offset + n - cached]
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5,
+    for n, cached in b.seqs:
+        s = slice(offset, offset + n - cached)
+        torch.testing.assert_close(out[s].double(), want[s], atol=1e-5, rtol=1e-5,
                                    msg=lambda m, n=n, c=cached: f"sequence len {n} cached {c}: {m}")
         offset += n - cached
     # the new K/V landed in the cache at their slots
-    flat_k = attn.k_cache.view(num_kv_heads, -1, head_dim)
-    torch.testing.assert_close(flat_k[:, torch.tensor(slots)].transpose(0, 1), torch.cat(ks))
+    flat_k = b.attn.k_cache.view(num_kv_heads, -1, head_dim)
+    torch.testing.assert_close(flat_k[:, torch.tensor(b.slots)].transpose(0, 1), b.k)
 
 
 def test_slot_minus_one_is_not_written():

@@ -1,5 +1,7 @@
 """EngineConfig: engine options are checked when the LLM is built (clear errors, near-miss names), options
-not built yet are refused, and resolving for the device picks without compiling (fp16 is never used on CPU)."""
+that cannot work here are refused with what would, the attention backend and block size are picked per
+device (flash_attn, then triton on CUDA; triton on CPU only when asked, with the interpreter switched on),
+and resolving for the device picks without compiling (fp16 is never used on CPU)."""
 
 from __future__ import annotations
 
@@ -34,17 +36,93 @@ def test_fp16_is_never_used_on_cpu():
 
 
 @pytest.mark.parametrize("options,match", [
-    ({"attention_backend": "triton"}, r"'triton' is not built yet.*use 'auto'.*'torch' or 'cpu'"),
-    ({"attention_backend": "flash_attn"}, r"'flash_attn' is not built yet"),
     ({"attention_backend": "sdpa"}, r"attention_backend must be one of"),
+    ({"attention_backend": "flash_attn", "device": "cpu"}, r"'flash_attn' runs on device='cuda' only.*'triton'"),
+    ({"attention_backend": "triton", "block_size": 24}, r"power-of-two block_size, not 24; use 16 or 32"),
 ])
-def test_options_not_built_yet_are_refused_not_ignored(options, match):
-    from nanoengine.config import EngineConfig
+def test_options_that_cannot_work_are_refused_not_ignored(options, match, monkeypatch):
+    from nanoengine.kernels import triton_support
 
-    with pytest.raises(ValueError, match=match):
-        EngineConfig(**options)
+    monkeypatch.setattr(triton_support, "installed", lambda: True)  # so that triton's row fails on its block
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # size alone, on any machine
     with pytest.raises(ValueError, match=match):
         LLM("tiny-qwen3", **options)
+
+
+def test_triton_on_cpu_needs_the_interpreter_switched_on(monkeypatch):
+    """On CPU the Triton kernels run only in Triton's interpreter: without TRITON_INTERPRET=1 the config says
+    so (instead of a crash inside triton at the first kernel launch); with it, 'triton' is taken as asked."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only rule")
+    from nanoengine.config import EngineConfig
+    from nanoengine.kernels import triton_support
+
+    monkeypatch.setattr(triton_support, "installed", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"'triton' cannot run here: on device='cpu'.*TRITON_INTERPRET=1.*'cpu'"):
+        EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+    assert (cfg.attention_backend, cfg.block_size) == ("triton", 16)
+    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend in ("cpu", "torch")  # never auto
+    monkeypatch.setattr(triton_support, "installed", lambda: False)
+    with pytest.raises(ValueError, match=r"triton package is not installed: pip install -c constraints.txt triton"):
+        EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Resolve as on a CUDA machine (nothing runs): set flash_attn's and triton's availability by hand."""
+    from nanoengine.attention import flash_attn_backend
+    from nanoengine.kernels import triton_support
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    state = {"flash_attn": None, "triton": None}  # None = available, else the problem
+    monkeypatch.setattr(flash_attn_backend, "problem", lambda: state["flash_attn"])
+    monkeypatch.setattr(triton_support, "problem", lambda device: state["triton"])
+    return state
+
+
+@pytest.mark.parametrize("options,missing,want", [
+    ({"dtype": "bfloat16"}, (), ("flash_attn", 256)),
+    ({"dtype": "bfloat16", "block_size": 512}, (), ("flash_attn", 512)),
+    ({"dtype": "bfloat16", "block_size": 16}, (), ("triton", 16)),  # auto keeps the user's block size
+    ({"dtype": "float32"}, (), ("triton", 16)),  # flash-attn has no float32
+    ({"dtype": "bfloat16"}, ("flash_attn",), ("triton", 16)),
+    ({"dtype": "bfloat16"}, ("flash_attn", "triton"), ("torch", 16)),
+    ({"dtype": "bfloat16", "attention_backend": "triton", "block_size": 64}, (), ("triton", 64)),
+    ({"dtype": "float32", "attention_backend": "torch"}, (), ("torch", 16)),
+])
+def test_cuda_picks_flash_attn_then_triton_with_a_block_size_each_can_use(fake_cuda, options, missing, want):
+    from nanoengine.config import EngineConfig
+
+    for name in missing:
+        fake_cuda[name] = f"{name} is missing"
+    if len(missing) == 2:
+        with pytest.warns(UserWarning, match=r"neither flash_attn.*nor triton.*using the slower torch"):
+            cfg = EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
+    else:
+        cfg = EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
+    assert (cfg.attention_backend, cfg.block_size) == want
+
+
+@pytest.mark.parametrize("options,missing,match", [
+    ({"attention_backend": "flash_attn", "dtype": "bfloat16", "block_size": 16}, (),
+     r"multiple of 256, not block_size=16; leave block_size unset \(256\) or use attention_backend='triton'"),
+    ({"attention_backend": "flash_attn", "dtype": "float32"}, (), r"float16 or bfloat16, not dtype='float32'"),
+    ({"attention_backend": "flash_attn", "dtype": "bfloat16"}, ("flash_attn",),
+     r"flash_attn is missing; pip install flash-attn, or use attention_backend='triton'"),
+    ({"attention_backend": "triton"}, ("triton",), r"'triton' cannot run here: triton is missing"),
+    ({"attention_backend": "triton", "block_size": 100}, (), r"power-of-two block_size, not 100; use 64 or 128"),
+    ({"attention_backend": "cpu"}, (), r"'cpu' runs on device='cpu' only; on CUDA use 'auto'"),
+])
+def test_cuda_refuses_a_backend_or_block_size_that_cannot_work(fake_cuda, options, missing, match):
+    from nanoengine.config import EngineConfig
+
+    for name in missing:
+        fake_cuda[name] = f"{name} is missing"
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
 
 
 @pytest.mark.parametrize("dims,tp,match", [

@@ -6,8 +6,10 @@ A backend is a per-layer module with one interface:
   every layer of the step reads (index tensors, masks), returned as an `AttentionPlan` in `meta.plan`;
 - `forward(q, k, v, meta)`: store the new tokens' K/V into the cache (at `slot_mapping`) and attend the new
   queries over each sequence's cached prefix plus themselves.
-`torch_backend` runs on any device and is the reference; faster backends keep its interface and are tested
-equal to it. A layer's output depends only on its arguments and its cache, which a CUDA graph needs.
+Backends: `torch` (the reference, any device), `cpu` (the C++ decode kernel), `triton` (Triton kernels: CUDA,
+or the interpreter on CPU) and `flash_attn` (CUDA). Faster backends keep the torch backend's interface and are
+tested equal to it; each is imported only when asked for, so triton and flash-attn stay optional. A layer's
+output depends only on its arguments and its cache, which a CUDA graph needs.
 """
 
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
@@ -23,4 +25,12 @@ def get_backend(name: str) -> type[TorchAttention]:
         from nanoengine.attention.cpu_backend import CPUAttention
 
         return CPUAttention
-    raise ValueError(f"attention backend {name!r} is not available here; use attention_backend='torch' or 'cpu'")
+    if name == "triton":
+        from nanoengine.attention.triton_backend import TritonAttention
+
+        return TritonAttention
+    if name == "flash_attn":
+        from nanoengine.attention.flash_attn_backend import FlashAttnAttention
+
+        return FlashAttnAttention
+    raise ValueError(f"attention backend {name!r} does not exist; use 'torch', 'cpu', 'triton' or 'flash_attn'")

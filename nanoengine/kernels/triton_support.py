@@ -1,0 +1,48 @@
+"""Can the Triton kernels run here, and how? Chapter 06.
+
+Importing this module never imports triton: the engine works without it (the `torch` and `cpu` backends),
+and the config asks `problem(device)` before it picks or accepts attention_backend='triton'.
+
+Triton compiles its kernels for CUDA. On a CPU it can only run them in its interpreter, which executes each
+program of the grid one after another in numpy: exact enough to test the kernels against the torch
+reference, far too slow to serve with. The interpreter is switched on by `TRITON_INTERPRET=1` in the
+environment, and triton reads it when a kernel is *defined* (`@triton.jit`, at import of the kernel
+modules), so it must be set before nanoengine's Triton kernels are first imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INTERPRET_VAR = "TRITON_INTERPRET"
+
+
+def interpreter_requested() -> bool:
+    """Is TRITON_INTERPRET=1 set in the environment (triton's own test: a true-ish value)?"""
+    return os.environ.get(INTERPRET_VAR, "0").lower() in ("1", "true", "on", "yes")
+
+
+def installed() -> bool:
+    """Is the triton package installed (without importing it)?"""
+    return importlib.util.find_spec("triton") is not None
+
+
+def problem(device: str) -> str | None:
+    """None when the Triton kernels can run on `device` ('cuda' or 'cpu'), else what is missing and the fix."""
+    if not installed():
+        return ("the triton package is not installed: pip install -c constraints.txt triton "
+                "(it comes with CUDA builds of torch; the dev extra installs it)")
+    if device == "cpu" and not interpreter_requested():
+        return (f"on device='cpu' the Triton kernels run only in Triton's interpreter (slow: for tests and "
+                f"learning), which needs {INTERPRET_VAR}=1 set in the environment before nanoengine starts, "
+                f"e.g. `{INTERPRET_VAR}=1 python ...` or os.environ['{INTERPRET_VAR}'] = '1' before importing "
+                "nanoengine; for speed on CPU use attention_backend='auto' or 'cpu'")
+    return None
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Was this @triton.jit kernel defined under the interpreter (True) or for compilation (False)?"""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
