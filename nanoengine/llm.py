@@ -9,7 +9,7 @@ yields text deltas as tokens are produced.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nanoengine.assets import DEFAULT_MODEL
@@ -29,6 +29,21 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+        """Run a ModelRunner method, or fn(runner, *args), on every rank (vLLM's name); one result per rank."""
+        return self.engine.runner.collective_rpc(method, *args)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when the LLM is garbage-collected
+        and at interpreter exit); a no-op with one process."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -95,6 +95,10 @@ class LLMEngine:
             self.scheduler.abort(s)
             self.runner.release(s)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (see ModelRunner.close)."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -162,7 +166,6 @@ class LLMEngine:
                              "requests, or give the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)
         try:
-            hidden = self.runner.forward(self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)]))
-            return self.runner.model.compute_logits(hidden)  # [T, vocab]
+            return self.runner.prompt_logits(self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)]))  # [T, vocab]
         finally:
             self.block_manager.free(seq)

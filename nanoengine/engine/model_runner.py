@@ -6,11 +6,19 @@ kernels the config chose (`nanoengine.kernels.for_config`), then the weights, th
 memory. One step (`run`): the backend plans the step's attention once, the model runs over the flat batch,
 logits are computed only for the sampled rows (sequences that reach their last token), and the sampler
 draws a token for each. The inputs come from `engine/inputs.py`.
+
+Under tensor parallelism (chapter 07) there is one ModelRunner per rank, each with its shard of the model
+and of the KV cache (its own KV heads). Rank 0's runner starts the others (`distributed.Workers`) and sends
+each step to them; every rank then runs `execute` in lockstep, and rank 0 alone samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +26,8 @@ import torch
 from nanoengine import kernels
 from nanoengine.attention import get_backend
 from nanoengine.config import EngineConfig
+from nanoengine.distributed.group import TPGroup
+from nanoengine.distributed.workers import Workers, call_on
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.linear import prepack_weights
@@ -41,35 +51,69 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, rank: int = 0) -> None:
         self.config = config
         hf = config.hf_config
-        self.device = torch.device(config.device)
+        self.tp = TPGroup(rank, config.tensor_parallel_size)
+        self.device = torch.device(config.device, rank) if config.device == "cuda" else torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.attn_backend = get_backend(config.attention_backend)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = get_model_class(hf)(hf, config.attention_backend, kernels.for_config(config))
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_model(self.model, model_path)
-        self.model.eval()
-        if config.prepack_weights:
-            prepack_weights(self.model)
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = hf_config.num_kv_heads(hf)
-        self.head_dim = hf_config.head_dim(hf)
-        self.num_blocks = self.allocate_kv_cache()
+        # rank 0 of a tensor-parallel engine starts the other ranks; they build their runners meanwhile
+        self.workers = Workers(config, model_path) if rank == 0 and self.tp.size > 1 else None
+        with self.lockstep():
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device):
+                    self.model = get_model_class(hf)(hf, config.attention_backend, kernels.for_config(config), self.tp)
+            finally:
+                torch.set_default_dtype(default_dtype)
+            load_model(self.model, model_path)
+            self.model.eval()
+            if config.prepack_weights:
+                prepack_weights(self.model)
+            self.num_layers = hf.num_hidden_layers
+            self.num_kv_heads = hf_config.num_kv_heads(hf) // self.tp.size  # this rank's KV heads
+            self.head_dim = hf_config.head_dim(hf)
+            self.num_blocks = self.allocate_kv_cache()
         self.sampler = Sampler(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
+
+    def lockstep(self):
+        """Context of code every rank runs together: a failure in it on any rank stops the workers and
+        raises here, with the failed worker's traceback (a no-op without workers)."""
+        return self.workers.lockstep() if self.workers is not None else nullcontext()
+
+    def call(self, method: str | Callable, *args: Any) -> Any:
+        """Run a ModelRunner method (or fn(runner, *args)) on every rank; return rank 0's result."""
+        with self.lockstep():
+            if self.workers is not None:
+                self.workers.send(method, args)
+            return call_on(self, method, args)
+
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+        """Run a method (or fn(runner, *args)) on every rank and return every rank's result, rank 0 first."""
+        with self.lockstep():
+            if self.workers is None:
+                return [call_on(self, method, args)]
+            self.workers.send(method, args, reply=True)
+            mine = call_on(self, method, args)
+            return [mine, *self.workers.replies()]
+
+    def close(self) -> None:
+        """Stop the worker processes (tensor parallelism); the runner cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ------------------------------------------------------------------------------------------ KV cache
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * hf_config.kv_bytes_per_token(self.config.hf_config, self.dtype.itemsize)
+        """KV bytes of one block on this rank (its share of the KV heads)."""
+        per_token = hf_config.kv_bytes_per_token(self.config.hf_config, self.dtype.itemsize) // self.tp.size
+        return self.block_size * per_token
 
     def allocate_kv_cache(self) -> int:
         cfg = self.config
@@ -82,7 +126,7 @@ class ModelRunner:
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = free - (1 - cfg.gpu_memory_utilization) * total
             else:
-                budget = CPU_KV_CACHE_GB * 2**30
+                budget = CPU_KV_CACHE_GB * 2**30 / self.tp.size  # the ranks share the host's memory
             num_blocks = int(budget // self.bytes_per_block)
             # never more than every sequence at full length could use
             most = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)  # ceil(max_model_len / bs)
@@ -90,6 +134,8 @@ class ModelRunner:
             if num_blocks < 1:
                 raise ValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
+            if self.tp.size > 1:  # every rank must hold the same blocks: the smallest pool wins
+                num_blocks = int(self.tp.all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
         layer_shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache_shape = layer_shape  # one layer's K (or V) cache, in the backend's layout
         self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
@@ -104,14 +150,25 @@ class ModelRunner:
         return self.model(inp.input_ids, inp.positions, inp.attn)
 
     @torch.inference_mode()
+    def execute(self, inp: ModelInput, rows: list[int]) -> torch.Tensor | None:
+        """The part of a step every rank runs: the forward, then the logits of `rows` [len(rows), vocab] fp32
+        (gathered on rank 0; None on the other ranks, and when no row is asked for)."""
+        hidden = self.forward(inp)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[rows]) if rows else None
+
+    @torch.inference_mode()
     def run(self, inp: ModelInput) -> list[tuple[Sequence, int]]:
         """Run one step; return (sequence, next token) for every sequence that reached its last token."""
-        hidden = self.forward(inp)  # [num_tokens, hidden]
-        if not inp.sample_rows:
+        step = dataclasses.replace(inp, sample_seqs=[])  # what every rank needs (the sequences stay here)
+        logits = self.call("execute", step, inp.sample_rows)  # [num_sampled, vocab] fp32
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[inp.sample_rows])  # [num_sampled, vocab] fp32
         tokens = self.sampler(logits, self.sampling_batch(inp.sample_seqs)).tolist()
         return list(zip(inp.sample_seqs, tokens))
+
+    def prompt_logits(self, inp: ModelInput) -> torch.Tensor:
+        """Logits of every row of a prefill [num_tokens, vocab] fp32 (the book's check against transformers)."""
+        return self.call("execute", inp, list(range(inp.num_tokens)))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]

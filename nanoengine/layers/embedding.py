@@ -1,25 +1,57 @@
-"""Token embedding and the language-model head (tied to the embedding when the config says so). Chapter 02."""
+"""Token embedding and the language-model head (tied to the embedding when the config says so), both
+vocab-parallel under tensor parallelism. Chapters 02 and 07.
+
+With N ranks, rank r holds vocabulary rows [r * V/N, (r + 1) * V/N) of both tables:
+- the embedding looks up the ids that fall in its rows, writes zeros for the others, and an all-reduce
+  sums the ranks' rows (exactly one rank contributes each token's embedding);
+- the LM head computes the logits of its vocabulary slice, and rank 0 gathers the slices into full rows.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from nanoengine.layers.linear import PackableLinear, default_weight_loader
+from nanoengine.distributed.group import SINGLE, TPGroup
+from nanoengine.layers.linear import PackableLinear, checkpoint_shape
+
+
+def vocab_rows_loader(tp: TPGroup):
+    """Load this rank's vocabulary rows of an embedding-shaped [vocab, dim] checkpoint tensor."""
+    def load(param: nn.Parameter, loaded) -> None:
+        full = checkpoint_shape(loaded)
+        if full != (param.shape[0] * tp.size, param.shape[1]):
+            raise ValueError(f"shape mismatch: parameter {(param.shape[0] * tp.size, param.shape[1])} vs "
+                             f"checkpoint {full}")
+        first, size = tp.shard(full[0])
+        param.data.copy_(loaded[first:first + size])
+    return load
 
 
 class Embedding(nn.Embedding):
-    def __init__(self, vocab_size: int, dim: int) -> None:
-        super().__init__(vocab_size, dim)
-        self.weight.weight_loader = default_weight_loader
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__(vocab_size // tp.size, dim)
+        self.tp = tp
+        self.vocab_start = tp.shard(vocab_size)[0]
+        self.weight.weight_loader = vocab_rows_loader(tp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, dim]
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start  # [num_tokens]: row in this rank's slice
+        here = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local.masked_fill(~here, 0), self.weight)  # [num_tokens, dim]
+        return self.tp.all_reduce(x.masked_fill(~here[:, None], 0))
 
 
 class LMHead(PackableLinear):
-    """The output projection (no bias); logits in float32 for the sampler."""
+    """The output projection (no bias); full-vocabulary logits in float32 on rank 0 (None on other ranks)."""
 
-    def __init__(self, vocab_size: int, dim: int) -> None:
-        super().__init__(dim, vocab_size, bias=False)
-        self.weight.weight_loader = default_weight_loader
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__(dim, vocab_size // tp.size, bias=False)
+        self.tp = tp
+        self.weight.weight_loader = vocab_rows_loader(tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, dim] -> [num_seqs, vocab] fp32
-        return super().forward(hidden).float()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [num_seqs, dim] -> [num_seqs, vocab] fp32
+        return self.tp.gather(super().forward(hidden).float())  # [num_seqs, vocab / N] per rank, gathered

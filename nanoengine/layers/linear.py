@@ -3,6 +3,14 @@
 `MergedLinear` fuses several Hugging Face projections (q/k/v, or gate/up) into one matmul; each part is
 loaded into its rows by `weight_loader(param, loaded, shard_id)`.
 
+Tensor parallelism (chapter 07) splits the two kinds of projection differently, so that a decoder layer needs
+one all-reduce per half:
+- column-parallel (`MergedLinear` with a `TPGroup` of size N): each rank holds 1/N of every part's output rows.
+  q/k/v rows are head-major, so a rank's rows are whole heads (GQA: its query heads and the KV heads they read);
+- row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds 1/N of the input columns, multiplies
+  the activations it already has, and the partial products are summed by an all-reduce (bias added once).
+A loader receives the checkpoint tensor or a lazy safetensors slice, and reads only its rank's share.
+
 On a CPU with bf16 support, `prepack_weights(model)` (chapter 06) reorders every weight once into oneDNN's
 blocked layout. A plain `F.linear` reorders the weight on every call; decode steps multiply a few rows by
 the whole weight, so that per-call reorder is much of their time (1.3-1.8x faster linears at batch 1-32 here).
@@ -15,11 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoengine.distributed.group import SINGLE, TPGroup
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+
+def checkpoint_shape(loaded) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor, or of a lazy safetensors slice (read nothing yet)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def default_weight_loader(param: nn.Parameter, loaded) -> None:
+    """A replicated parameter: the whole checkpoint tensor."""
+    if tuple(param.shape) != checkpoint_shape(loaded):
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {checkpoint_shape(loaded)}")
+    param.data.copy_(loaded[...])
 
 
 def onednn_bf16_available() -> bool:
@@ -39,9 +55,12 @@ class PackableLinear(nn.Linear):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 def prepack_weights(model: nn.Module) -> int:
@@ -52,30 +71,53 @@ def prepack_weights(model: nn.Module) -> int:
     return len(layers)
 
 
-class Linear(PackableLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.weight.weight_loader = default_weight_loader
-        if bias:
-            self.bias.weight_loader = default_weight_loader
-
-
 class MergedLinear(PackableLinear):
-    """Several output projections stacked along the output dimension; parts named by `shard_ids`."""
+    """Several output projections stacked along the output dimension, parts named by shard id; column-parallel
+    under tensor parallelism: this rank holds its 1/N of each part's rows (`part_sizes` are the full sizes)."""
 
-    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(part_sizes.values()), bias=bias)
-        self.part_offsets: dict[str, tuple[int, int]] = {}
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
+        super().__init__(in_features, sum(part_sizes.values()) // tp.size, bias=bias)
+        self.tp = tp
+        self.part_sizes = dict(part_sizes)
+        self.part_offsets: dict[str, tuple[int, int]] = {}  # part -> (first row here, rows here)
         start = 0
         for name, size in part_sizes.items():
-            self.part_offsets[name] = (start, size)
-            start += size
+            self.part_offsets[name] = (start, size // tp.size)
+            start += size // tp.size
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
         start, size = self.part_offsets[shard_id]
-        if loaded.shape[0] != size:
-            raise ValueError(f"part {shard_id!r}: expected {size} rows, checkpoint has {loaded.shape[0]}")
-        param.data.narrow(0, start, size).copy_(loaded)
+        full = checkpoint_shape(loaded)
+        if full[0] != self.part_sizes[shard_id] or full[1:] != tuple(param.shape[1:]):
+            raise ValueError(f"part {shard_id!r}: expected {(self.part_sizes[shard_id], *param.shape[1:])}, "
+                             f"checkpoint has {full}")
+        first, _ = self.tp.shard(full[0])
+        param.data.narrow(0, start, size).copy_(loaded[first:first + size])
+
+
+class RowParallelLinear(PackableLinear):
+    """A projection whose input columns are split across ranks: y = all_reduce(x_here @ W_here^T) + b. With one
+    rank it is a plain linear layer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias.weight_loader = default_weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        full = checkpoint_shape(loaded)
+        if full != (param.shape[0], param.shape[1] * self.tp.size):
+            raise ValueError(f"shape mismatch: parameter {(param.shape[0], param.shape[1] * self.tp.size)} vs "
+                             f"checkpoint {full}")
+        first, size = self.tp.shard(full[1])
+        param.data.copy_(loaded[:, first:first + size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / N] -> [num_tokens, out]
+        # the bias joins one rank's partial sum only, so the all-reduce adds it once
+        return self.tp.all_reduce(self.matmul(x, self.bias if self.tp.rank == 0 else None))

@@ -4,6 +4,10 @@ Inputs are a flat batch of new tokens from many sequences ([num_tokens]); the at
 writes the paged KV cache through the batch's AttentionMetadata. The model is built with its attention backend
 and, optionally, compiled `kernels` (chapter 06) that its norms, rotary and MLP use; rotary cos/sin are looked
 up once per forward and handed to every layer.
+
+Under tensor parallelism (chapter 07) the model is built with its rank's `TPGroup`: each rank holds 1/N of the
+query and KV heads and of the MLP's intermediate rows, its attention reads its own heads' KV cache, and
+o_proj and down_proj each end in an all-reduce. Norms, rotary and the residual stream are whole on every rank.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 from torch import nn
 
 from nanoengine.attention import AttentionMetadata, get_backend
+from nanoengine.distributed.group import SINGLE, TPGroup
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.embedding import Embedding, LMHead
-from nanoengine.layers.linear import Linear, MergedLinear
+from nanoengine.layers.linear import MergedLinear, RowParallelLinear
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryAngles, RotaryEmbedding
 from nanoengine.models import hf_config
@@ -25,17 +30,18 @@ from nanoengine.models import hf_config
 
 class Attention(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
-                 kernels: ModuleType | None = None) -> None:
+                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
+        self.num_kv_heads = hf_config.num_kv_heads(config) // tp.size
         self.head_dim = hf_config.head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        n = tp.size
+        self.qkv_proj = MergedLinear(config.hidden_size,
+                                     {"q": self.q_size * n, "k": self.kv_size * n, "v": self.kv_size * n}, bias, tp)
+        self.o_proj = RowParallelLinear(self.q_size * n, config.hidden_size, bias, tp)
         self.rotary_emb = rotary  # one module shared by all layers
         self.attn = get_backend(backend)(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
@@ -57,26 +63,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, kernels: ModuleType | None = None) -> None:
+    def __init__(self, config: Any, kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp)
         self.kernels = kernels  # the compiled CPU kernels' fused SwiGLU (chapter 06), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        act = self.kernels.silu_and_mul(gate_up) if self.kernels is not None else silu_and_mul(gate_up)
+        act = self.kernels.silu_and_mul(gate_up) if self.kernels is not None else silu_and_mul(gate_up)  # [T, I/N]
         return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
-                 kernels: ModuleType | None = None) -> None:
+                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qk_norm, backend, rotary, kernels)
-        self.mlp = MLP(config, kernels)
+        self.self_attn = Attention(config, qk_norm, backend, rotary, kernels, tp)
+        self.mlp = MLP(config, kernels, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -100,16 +106,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, attention_backend: str = "torch", kernels: ModuleType | None = None) -> None:
+    def __init__(self, config: Any, attention_backend: str = "torch", kernels: ModuleType | None = None,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim(config), config.max_position_embeddings,
                                           hf_config.rope_theta(config), kernels)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb, kernels, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -128,5 +135,5 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm.forward_add(x, residual)
         return x  # [num_tokens, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_seqs, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)  # [num_seqs, vocab] fp32 (on rank 0; None on the other ranks)

@@ -3,6 +3,8 @@ Chapter 02.
 
 Checkpoint names map onto ours: `model.layers.0.self_attn.q_proj.weight` -> the "q" rows of
 `layers.0.self_attn.qkv_proj.weight`; the `model.` prefix is dropped; a tied `lm_head.weight` is optional.
+Each parameter's `weight_loader` gets a lazy safetensors slice and reads only what it holds, so under tensor
+parallelism (chapter 07) every rank reads its own shard of the same files and nothing more.
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ def load_model(model: nn.Module, path: Path) -> None:
                 if param is None:
                     unexpected.append(ckpt_name)
                     continue
-                tensor = f.get_tensor(ckpt_name)
-                with torch.no_grad():
-                    if shard is None:
-                        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                    else:
-                        param.weight_loader(param, tensor, shard)
+                tensor = f.get_slice(ckpt_name)  # lazy: the loader reads its rows or columns only
+                try:
+                    with torch.no_grad():
+                        if shard is None:
+                            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                        else:
+                            param.weight_loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint {file}: tensor {ckpt_name!r} does not fit the model's "
+                                     f"{name!r}: {e}") from None
                 loaded.add(name if shard is None else f"{name}:{shard}")
     missing = []
     for name, module in model.named_modules():

@@ -1,0 +1,66 @@
+"""The tensor-parallel group as the layers see it: this process's rank, the group's size, and the two
+collectives a sharded model needs. Chapter 07.
+
+A layer is built with a `TPGroup` and asks it nothing else: the row-parallel linears and the vocab-parallel
+embedding sum their partial results with `all_reduce`, and the LM head `gather`s its vocabulary shards to rank
+0, where sampling happens. With `size == 1` both are no-ops, so the single-process engine runs the same layers.
+`init_process_group` forms the group, over a TCP store on a port the OS picked (rank 0 hosts it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A collective waits at most this long for a peer that is alive but stuck; a peer that died is noticed at once
+# (its sockets close). A step's collectives are one decoder layer apart, so this is only ever a backstop.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """This rank's equal share of n rows: (start, length). n is divisible (EngineConfig checks)."""
+        length = n // self.size
+        return self.rank * length, length
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place (every rank gets the sum)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise minimum of x over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's x along the last dim on rank 0 (None on the others)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+
+SINGLE = TPGroup()  # one process: every layer whole
+
+
+def init_process_group(backend: str, host: str, port: int, rank: int, size: int,
+                       store: dist.Store | None = None) -> TPGroup:
+    """Join the group (rank 0 passes the store it hosts; the others connect to host:port)."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed process group (another tensor-parallel "
+                           "LLM still alive?); close it first (llm.close() or del llm)")
+    if store is None:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size)

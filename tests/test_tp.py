@@ -1,0 +1,300 @@
+"""Tensor parallelism over gloo on CPU: two ranks give the same greedy tokens as one process in every
+scheduling regime, each sharded layer equals its unsharded self, and a worker that raises, is killed, or is
+interrupted makes the driver raise quickly and leaves no process behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing import get_context
+
+import pytest
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.distributed.workers import WorkerError
+
+pytestmark = [pytest.mark.xdist_group("tp"),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")]
+
+SHARED = "The paged KV cache stores keys and values in fixed-size blocks, so that " * 2
+PROMPTS = [SHARED + "prompt one", "Hi", SHARED + "and prompt two is a little longer than one", "x " * 70,
+           SHARED + "three", "Once upon a time, in a land far away,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def child_pids() -> list[int]:
+    """Live (not zombie) children of this process, except multiprocessing's resource tracker (one per
+    process that ever spawned, shared by all; it ends with its parent)."""
+    me, kids = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if int(stat[1]) == me and stat[0] != "Z" and "resource_tracker" not in cmdline:
+            kids.append(int(pid))
+    return kids
+
+
+def no_children_within(seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while child_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return child_pids()
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ------------------------------------------------------------------------------------ engine equivalence
+REGIMES = {  # prefix caching is on in all of them; the second round hits it
+    "chunked": {"max_num_batched_tokens": 32},
+    "tight_pool": {"num_kvcache_blocks": 14, "block_size": 16, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_tp2_equals_tp1_token_for_token(regime):
+    options = dict(dtype="float32", trace=True, **REGIMES[regime])
+    one = LLM("tiny-qwen3", **options)
+    want = [tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False)) for _ in range(2)]
+    with LLM("tiny-qwen3", tensor_parallel_size=2, **options) as two:
+        assert two.engine.runner.num_kv_heads == 1, "each of 2 ranks holds 1 of tiny-qwen3's 2 KV heads"
+        assert two.engine.block_manager.num_blocks == one.engine.block_manager.num_blocks
+        for round in range(2):
+            got = tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
+            for i, (g, w) in enumerate(zip(got, want[round])):
+                assert g == w, f"{regime} round {round}: prompt {i} differs between TP=2 and TP=1"
+            trace = two.trace
+            assert trace.hit_tokens > 0, "the shared prefix should hit the prefix cache"
+            if regime == "chunked":
+                assert any(e.prefill_tokens and e.num_computed_before for s in trace.steps for e in s.scheduled)
+            if regime == "tight_pool" and round == 0:
+                assert any(s.preempted for s in trace.steps), "the tight pool should have forced a preemption"
+        # a prefill's logits through the sharded vocabulary == one process's
+        ids = one.tokenizer.encode(PROMPTS[0])
+        torch.testing.assert_close(two.engine.prompt_logits(ids), one.engine.prompt_logits(ids))
+    assert no_children_within(5) == []
+
+
+def test_each_rank_holds_its_share_and_the_pools_agree():
+    with LLM("tiny-qwen3", tensor_parallel_size=2, kv_cache_memory_gb=0.01) as llm:
+        shapes = llm.collective_rpc(lambda_shapes)
+    (rank0, blocks0), (rank1, blocks1) = shapes
+    assert rank0["layers.0.self_attn.qkv_proj.weight"] == (128, 64)  # (4 q + 2 k + 2 v heads) * 32 / 2 ranks
+    assert rank0["layers.0.self_attn.o_proj.weight"] == (64, 64)  # 128 input columns / 2
+    assert rank0["layers.0.mlp.gate_up_proj.weight"] == (128, 64)
+    assert rank0["embed_tokens.weight"] == (151936 // 2, 64)
+    assert rank0 == rank1 and blocks0 == blocks1
+
+
+def lambda_shapes(runner):  # module level: collective_rpc pickles functions by name
+    return {n: tuple(p.shape) for n, p in runner.model.named_parameters()}, runner.num_blocks
+
+
+# ------------------------------------------------------------------------------------ sharded layers
+def run_ranks(fn, size: int = 2) -> list:
+    """Run fn(tp) on `size` fresh processes joined in one gloo group; their results, by rank."""
+    from torch.distributed import TCPStore
+
+    ctx = get_context("spawn")
+    store = TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(fn, r, size, store.port, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = {rank: pickle.loads(data) for rank, data in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(10)
+    if any(isinstance(v, str) for v in results.values()):
+        pytest.fail("\n".join(v for v in results.values() if isinstance(v, str)))
+    return [results[r] for r in range(size)]
+
+
+def rank_main(fn, rank, size, port, queue):
+    import traceback
+
+    import torch.distributed as dist
+
+    from nanoengine.distributed.group import init_process_group
+
+    torch.set_num_threads(1)
+    try:
+        tp = init_process_group("gloo", "127.0.0.1", port, rank, size)
+        # by value (the queue's own pickler would share tensors through fds this process takes away with it)
+        queue.put((rank, pickle.dumps(fn(tp))))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, pickle.dumps(traceback.format_exc())))
+
+
+def load_from(whole, sharded) -> None:
+    """Load `sharded` from `whole`'s weights through the same loaders a checkpoint goes through."""
+    from nanoengine.layers.linear import MergedLinear
+
+    for name, p in sharded.named_parameters():
+        w = whole.get_parameter(name).detach()
+        owner = name.rpartition(".")[0]
+        if isinstance(sharded.get_submodule(owner), MergedLinear):  # a checkpoint has one tensor per part
+            for part, (start, size) in whole.get_submodule(owner).part_offsets.items():
+                p.weight_loader(p, w[start:start + size], part)
+        else:
+            p.weight_loader(p, w)
+
+
+def sharded_vs_whole(tp):
+    """tiny-qwen3-shaped layers (with biases), sharded over the ranks and loaded from the whole layers'
+    weights, against the whole layers: (sharded result, whole result) per check."""
+    from transformers import Qwen3Config
+
+    from nanoengine import assets
+    from nanoengine.layers.embedding import Embedding, LMHead
+    from nanoengine.layers.linear import MergedLinear, RowParallelLinear
+    from nanoengine.models.llama import MLP
+
+    torch.manual_seed(0)  # every rank builds the same whole layers and inputs
+    hf = Qwen3Config(**{**assets.TINY_QWEN3_DIMS, "vocab_size": 1000, "mlp_bias": True})
+    heads, kv_heads, d, hidden = 4, 2, 32, hf.hidden_size
+    x = torch.randn(7, hidden)  # [tokens, hidden]
+    out = {}
+    with torch.no_grad():
+        # MLP: gate/up column-parallel, down row-parallel with its all-reduce (and the bias added once)
+        whole, mlp = MLP(hf), MLP(hf, tp=tp)
+        torch.nn.init.normal_(whole.down_proj.bias)
+        load_from(whole, mlp)
+        out["mlp"] = (mlp(x), whole(x))
+        # attention projections: q/k/v by heads (GQA: rank r holds query heads 2r, 2r+1 and KV head r)
+        parts = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+        whole_qkv, qkv = MergedLinear(hidden, parts, bias=True), MergedLinear(hidden, parts, bias=True, tp=tp)
+        torch.nn.init.normal_(whole_qkv.bias)
+        load_from(whole_qkv, qkv)
+        q, k, v = whole_qkv(x).split(list(parts.values()), dim=-1)
+        mine = lambda t, n: t.view(7, n, d)[:, tp.rank * n // tp.size:(tp.rank + 1) * n // tp.size].flatten(1)
+        out["qkv"] = (qkv(x), torch.cat([mine(q, heads), mine(k, kv_heads), mine(v, kv_heads)], dim=-1))
+        # o_proj: each rank multiplies its heads' outputs; the all-reduce makes the whole product
+        attn_out = torch.randn(7, heads * d)  # [tokens, heads * head_dim]
+        whole_o, o = torch.nn.Linear(heads * d, hidden), RowParallelLinear(heads * d, hidden, bias=True, tp=tp)
+        load_from(whole_o, o)
+        out["o_proj"] = (o(mine(attn_out, heads)), whole_o(attn_out))
+        # vocab-parallel embedding (ids from every shard) and LM head (gathered on rank 0)
+        ids = torch.tensor([0, 1, 499, 500, 501, 999, 3])
+        whole_emb, emb = Embedding(1000, hidden), Embedding(1000, hidden, tp)
+        load_from(whole_emb, emb)
+        out["embedding"] = (emb(ids), whole_emb(ids))
+        whole_head, head = LMHead(1000, hidden), LMHead(1000, hidden, tp)
+        load_from(whole_head, head)
+        logits = head(x)
+        out["lm_head"] = (logits, whole_head(x)) if tp.rank == 0 else (logits is None, True)
+    return out
+
+
+def test_sharded_layers_equal_the_whole_layers_across_two_ranks():
+    for rank, results in enumerate(run_ranks(sharded_vs_whole, 2)):
+        for name, (sharded, whole) in results.items():
+            if isinstance(sharded, bool):
+                assert sharded, f"rank {rank}: the LM head's logits should only come back on rank 0"
+                continue
+            torch.testing.assert_close(sharded, whole, msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+
+
+# ------------------------------------------------------------------------------------ failures
+def raise_in_the_mlp_on_workers(runner):
+    if runner.tp.rank > 0:
+        def boom(x):
+            raise RuntimeError("injected failure in rank 1's MLP")
+        runner.model.layers[1].mlp.forward = boom
+
+
+def test_a_worker_that_raises_makes_generate_raise_with_its_traceback():
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.collective_rpc(raise_in_the_mlp_on_workers)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed:.*injected failure in rank 1's MLP"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    detected = time.perf_counter() - t0
+    assert detected < 5, f"the failure took {detected:.1f} s to surface"
+    assert no_children_within(5) == [], "the workers must be stopped after a failure"
+    with pytest.raises(WorkerError, match="stopped after a failure.*build a new LLM"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    print(f"worker exception surfaced in the driver after {detected:.2f} s")
+
+
+def test_a_worker_killed_mid_run_is_noticed_within_seconds():
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+    (worker,) = llm.engine.runner.workers.pids
+    long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.perf_counter())
+        os.kill(worker, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.generate(["a long story"] * 4, long, use_tqdm=False)
+    noticed = time.perf_counter() - killed_at[0]
+    assert noticed < 10, f"the kill took {noticed:.1f} s to notice"
+    assert no_children_within(5) == []
+    print(f"SIGKILL noticed after {noticed:.2f} s")
+
+
+def test_a_worker_killed_between_runs_is_noticed_at_the_next_step():
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+    (worker,) = llm.engine.runner.workers.pids
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.2)
+    with pytest.raises(WorkerError, match="was killed by SIGKILL"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert no_children_within(5) == []
+
+
+def test_ctrl_c_mid_step_leaves_the_ranks_in_step():
+    """KeyboardInterrupt arrives during a TP run: it is held to the end of the step, the run stops, and the
+    same LLM then gives the same tokens as before (the ranks never fell out of step)."""
+    with LLM("tiny-qwen3", tensor_parallel_size=2) as llm:
+        want = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a long story"] * 4, long, use_tqdm=False)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+
+
+def test_two_engines_one_after_the_other_leave_no_process():
+    for _ in range(2):
+        llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+        assert len(child_pids()) == 1
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        del llm
+        gc.collect()
+        assert no_children_within(5) == [], "del llm must stop its worker"
+
+
+def test_two_live_tp_engines_in_one_process_are_refused_clearly():
+    with LLM("tiny-qwen3", tensor_parallel_size=2):
+        with pytest.raises(RuntimeError, match="already has a torch.distributed process group.*close it first"):
+            LLM("tiny-qwen3", tensor_parallel_size=2)
+    assert no_children_within(5) == []
+
+
+# ------------------------------------------------------------------------------------ GPUs
+@pytest.mark.gpu
+def test_tp2_over_nccl_equals_tp1():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    one = tokens(LLM("tiny-qwen3", dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False))
+    with LLM("tiny-qwen3", dtype="float32", tensor_parallel_size=2) as llm:
+        assert llm.config.dist_backend == "nccl"
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == one
