@@ -5,6 +5,7 @@ for itself. `make_batch` builds such a step; tests/test_triton_kernels.py reuses
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -80,7 +81,9 @@ SEQS = [(37, 36), (5, 4), (1, 0), (23, 0), (40, 17), (9, 8), (64, 32)]
 
 
 def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen, num_blocks=200,
-               dtype=torch.float32):
+               dtype=torch.float32, device="cpu"):
+    """A Batch with the layer's caches, the new tokens and the metadata on `device` (the oracle's `full`
+    stays on the CPU)."""
     decodes = [s for s in seqs if s[0] - s[1] == 1]
     order = decodes + [s for s in seqs if s[0] - s[1] > 1]
     tables = make_layout([n for n, _ in order], block_size, num_blocks, gen)
@@ -114,7 +117,13 @@ def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen
         slot_mapping=torch.tensor(slots), num_decode_seqs=len(decodes), decode_block_tables=dtables,
         decode_context_lens=torch.tensor([n for n, _ in decodes]), prefill_query_starts=starts,
         prefill_query_lens=qlens, prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
-    return Batch(attn, torch.cat(qs), torch.cat(ks), torch.cat(vs), meta, order, full, slots)
+    attn.k_cache, attn.v_cache = attn.k_cache.to(device), attn.v_cache.to(device)
+    meta = dataclasses.replace(
+        meta, slot_mapping=meta.slot_mapping.to(device), decode_block_tables=dtables.to(device),
+        decode_context_lens=meta.decode_context_lens.to(device),
+        prefill_block_tables=[t.to(device) for t in ptables])
+    return Batch(attn, torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device), meta, order,
+                 full, slots)
 
 
 def expected_outputs(batch):
@@ -139,10 +148,11 @@ def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_d
     if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
         monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
     gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
-    b = make_batch(backend, SEQS, num_heads, num_kv_heads, head_dim, block_size, gen)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    b = make_batch(backend, SEQS, num_heads, num_kv_heads, head_dim, block_size, gen, device=device)
     if planned:  # as the model runner does once per step; without it each layer plans for itself
         b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
-    out = b.attn(b.q, b.k, b.v, b.meta)
+    out = b.attn(b.q, b.k, b.v, b.meta).cpu()
     assert out.shape == b.q.shape
     want = expected_outputs(b)
     offset = 0
@@ -153,7 +163,7 @@ def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_d
         offset += n - cached
     # the new K/V landed in the cache at their slots
     flat_k = b.attn.k_cache.view(num_kv_heads, -1, head_dim)
-    torch.testing.assert_close(flat_k[:, torch.tensor(b.slots)].transpose(0, 1), b.k)
+    torch.testing.assert_close(flat_k[:, torch.tensor(b.slots, device=device)].transpose(0, 1), b.k)
 
 
 def test_slot_minus_one_is_not_written():

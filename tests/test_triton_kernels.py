@@ -12,6 +12,7 @@ from test_attention import SEQS, expected_outputs, make_batch, make_layout, trit
 
 import nanoengine.attention.torch_backend as torch_backend
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there; else the interpreter
 GQA = [(4, 2, 32), (9, 3, 64), (2, 2, 128)]  # (num_heads, num_kv_heads, head_dim)
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
 pytestmark = pytest.mark.usefixtures("triton_kernels")
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """got (the kernel, float32 or bf16) against the float64 oracle `want` on the same inputs."""
+    got = got.cpu()
     if got.dtype == torch.float32:
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{what}: {m}")
         return
@@ -45,20 +47,21 @@ def test_store_writes_each_row_at_its_slot_and_skips_minus_one(layout, dtype):
 
     gen = torch.Generator().manual_seed(1)
     num_kv_heads, head_dim, block_size, num_blocks, n = 3, 48, 16, 12, 40
-    qkv = torch.randn(n, (4 + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(n, (4 + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
     k = qkv[:, 4 * head_dim:][:, :num_kv_heads * head_dim].view(n, num_kv_heads, head_dim)  # strided rows
     v = qkv[:, (4 + num_kv_heads) * head_dim:].view(n, num_kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
     slots[::5] = -1
+    slots = slots.to(DEVICE)
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    want_k, want_v = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    want_k, want_v = (torch.full(shape, 7.0, dtype=dtype, device=DEVICE) for _ in "kv")
     torch_backend.store_kvcache(k, v, want_k, want_v, slots)
     if layout == "heads_first":
-        k_cache, v_cache = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+        k_cache, v_cache = (torch.full(shape, 7.0, dtype=dtype, device=DEVICE) for _ in "kv")
         store_kv(k, v, k_cache, v_cache, slots)
     else:  # [num_blocks, block_size, num_kv_heads, head_dim], stored through a permuted view
         flash = (num_blocks, block_size, num_kv_heads, head_dim)
-        fk, fv = torch.full(flash, 7.0, dtype=dtype), torch.full(flash, 7.0, dtype=dtype)
+        fk, fv = (torch.full(flash, 7.0, dtype=dtype, device=DEVICE) for _ in "kv")
         store_kv(k, v, heads_first(fk), heads_first(fv), slots)
         k_cache, v_cache = heads_first(fk), heads_first(fv)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
@@ -89,8 +92,9 @@ def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_
     context = torch.tensor(lens)
     scale = head_dim ** -0.5
     want = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, context, scale)
+    args = [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, context)]
     for splits in (1, 3):
-        got = paged_decode(q, k_cache, v_cache, block_tables, context, scale, num_splits=splits)
+        got = paged_decode(*args, scale, num_splits=splits)
         assert got.dtype == dtype and got.shape == q.shape
         assert_matches(got, want, f"decode, {splits} split(s)")
 
@@ -108,15 +112,15 @@ def test_backend_step_equals_dense_attention(dtype, num_heads, num_kv_heads, hea
     gen = torch.Generator().manual_seed(num_heads + block_size)
     seqs = SEQS + [(300, 256), (256, 255)]  # a chunk after a whole block of 256; a fully cached 1-block prompt
     b = make_batch("triton", seqs, num_heads, num_kv_heads, head_dim, block_size, gen,
-                   num_blocks=16 if block_size == 256 else 100, dtype=dtype)
+                   num_blocks=16 if block_size == 256 else 100, dtype=dtype, device=DEVICE)
     # the fully cached prompt's last token: its K/V is in the cache already, so its slot is -1 and the
     # K/V handed to the layer must not be written (garbage here)
     row = b.seqs.index((256, 255))  # a decode: rows of decodes come first, one each
     n, _ = b.seqs[row]
     _, k_full, v_full = b.full[row]
     table = b.meta.decode_block_tables[row]
-    b.attn.k_cache[:, table[(n - 1) // block_size], (n - 1) % block_size] = k_full[n - 1]
-    b.attn.v_cache[:, table[(n - 1) // block_size], (n - 1) % block_size] = v_full[n - 1]
+    b.attn.k_cache[:, table[(n - 1) // block_size], (n - 1) % block_size] = k_full[n - 1].to(DEVICE)
+    b.attn.v_cache[:, table[(n - 1) // block_size], (n - 1) % block_size] = v_full[n - 1].to(DEVICE)
     b.meta.slot_mapping[row] = -1
     b.k[row], b.v[row] = 1e4, -1e4
     b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
@@ -126,4 +130,4 @@ def test_backend_step_equals_dense_attention(dtype, num_heads, num_kv_heads, hea
     assert not (b.attn.k_cache == 1e4).any(), "a slot -1 row was written"
     written = [i for i, s in enumerate(b.slots) if i != row]
     flat_k = b.attn.k_cache.view(num_kv_heads, -1, head_dim)
-    assert torch.equal(flat_k[:, torch.tensor(b.slots)[written]].transpose(0, 1), b.k[written])
+    assert torch.equal(flat_k[:, torch.tensor(b.slots, device=DEVICE)[written]].transpose(0, 1), b.k[written])

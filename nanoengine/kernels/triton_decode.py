@@ -9,7 +9,7 @@ Split-K (vLLM's "v2" paged attention): at small batch, one program per (sequence
 GPU idle (batch 1 with 8 kv heads is 8 programs on 132 SMs) while each walks thousands of tokens. So the
 context is cut into `num_splits` contiguous ranges, one program each, and every program writes a partial
 result: its normalized output and the log of its softmax denominator (log-sum-exp, `lse`). A second small
-kernel merges the splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
+kernel (launched only when there are splits; with one, the decode kernel writes the output itself) merges the splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
 out = sum_s w_s * out_s / sum_s w_s, which is exactly the softmax over the whole context. A split whose
 range is empty (a short context among long ones) has lse = -inf and weight 0.
 
@@ -41,22 +41,23 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 @triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                        part_out_ptr, part_lse_ptr, qk_scale,
+                        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
                         stride_qb, stride_qh,  # q [B, num_heads, head_dim]
+                        stride_ob, stride_oh,  # out, the same shape
                         stride_head, stride_block, stride_slot,  # caches [kvh, blocks, block_size, head_dim]
                         stride_table,  # block tables [B, max_blocks]
                         stride_pb, stride_ph, stride_ps,  # partial out [B, num_heads, splits, head_dim]
                         stride_lb, stride_lh,  # partial lse [B, num_heads, splits]
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
+                        DOT_FP32: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     context = tl.load(context_lens_ptr + seq)  # tokens in the cache, the new one included
     # this split's tokens [lo, hi): whole tiles, the same number for every split
-    tiles_per_split = tl.cdiv(tl.cdiv(context, BLOCK_N), num_splits)
+    tiles_per_split = ((context + BLOCK_N - 1) // BLOCK_N + num_splits - 1) // num_splits
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(context, lo + tiles_per_split * BLOCK_N)
 
@@ -71,13 +72,18 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    q_pos = context - 1 + tl.zeros([BLOCK_G], tl.int64)  # the new token's position: it sees every key
+    l_i = tl.full([BLOCK_G], 0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0, tl.float32)
+    q_pos = context - 1 + tl.full([BLOCK_G], 0, tl.int64)  # the new token's position: it sees every key
     table = block_tables_ptr + seq * stride_table
     m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_head,
                                 lo, hi, d, d_mask, stride_block, stride_slot, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_FP32)
 
+    if not SPLIT:  # one program saw the whole context: the result is final (l_i > 0: context >= 1)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        return
     # partial result: normalized output, and log-sum-exp in log2 units (-inf for an empty split)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -125,15 +131,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_d = pow2(head_dim, 16)
-    # partial results of every split
+    # partial results of every split (unused with one split: the kernel then writes `out` itself)
     part_out = torch.empty(batch, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=pow2(group, 16), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, DOT_FP32=dot_in_fp32(q.dtype))
+        BLOCK_N=BLOCK_N, DOT_FP32=dot_in_fp32(q.dtype), SPLIT=num_splits > 1)
+    if num_splits == 1:
+        return out
     merge_splits_kernel[(batch, num_heads)](
         part_out, part_lse, out, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=pow2(num_splits))

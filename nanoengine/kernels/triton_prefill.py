@@ -58,8 +58,8 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    l_i = tl.full([BLOCK_Q * BLOCK_G], 0, tl.float32)
+    acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0, tl.float32)
     end = tl.minimum(context, cached + (q_tile + 1) * BLOCK_Q)  # keys past the tile's last query: never seen
     table = block_tables_ptr + seq * stride_table
     m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_head,
