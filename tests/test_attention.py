@@ -80,6 +80,11 @@ class Batch:
 SEQS = [(37, 36), (5, 4), (1, 0), (23, 0), (40, 17), (9, 8), (64, 32)]
 
 
+def heads_first_view(backend: str, cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache seen as [num_kv_heads, num_blocks, block_size, head_dim], whatever its layout."""
+    return cache.permute(2, 0, 1, 3) if backend == "flash_attn" else cache
+
+
 def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen, num_blocks=200,
                dtype=torch.float32, device="cpu"):
     """A Batch with the layer's caches, the new tokens and the metadata on `device` (the oracle's `full`
@@ -92,11 +97,13 @@ def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen
     attn.v_cache = torch.zeros_like(attn.k_cache)
     full = [tuple(torch.randn(n, h, head_dim, generator=gen).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
             for n, _ in order]
-    # pre-fill the cache with the cached prefixes (the reference writes slots by hand: [kvh, block, offset, d])
+    # pre-fill the cache with the cached prefixes (the reference writes slots by hand: [kvh, block, offset, d],
+    # through a view for flash-attn's [block, offset, kvh, d] layout)
+    kc, vc = (heads_first_view(backend, c) for c in (attn.k_cache, attn.v_cache))
     for (_n, cached), table, (_, k, v) in zip(order, tables, full):
         for p in range(cached):
-            attn.k_cache[:, table[p // block_size], p % block_size] = k[p]
-            attn.v_cache[:, table[p // block_size], p % block_size] = v[p]
+            kc[:, table[p // block_size], p % block_size] = k[p]
+            vc[:, table[p // block_size], p % block_size] = v[p]
     qs, ks, vs, slots = [], [], [], []
     starts, qlens, ctxs, ptables = [], [], [], []
     ntok = 0
