@@ -3,8 +3,11 @@
 One C++ extension holds four kernels: paged decode attention that reads K/V in place from the blocks (the
 `cpu` attention backend), and fused (residual +) RMSNorm, rotary and SwiGLU for the model's glue, which
 round where the eager ops round. It is compiled with the C++ compiler torch uses
-(`torch.utils.cpp_extension`, about 30 s) into `$NANOENGINE_HOME/kernels/<torch, python, cpu kind>/`, once:
-by `make assets` (`python -m nanoengine.kernels`), or at first use with a message saying so.
+(`torch.utils.cpp_extension`, about 30 s) into `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`,
+once: by `make assets` (`python -m nanoengine.kernels`), or at first use with a message saying so. A built
+library is imported directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and
+two checkouts sharing one NANOENGINE_HOME) load it side by side. The folder name carries a hash of the source
+and flags, so a changed kernel builds anew instead of reusing a stale library.
 
 Deciding whether to use them never compiles: `build_problem()` answers "is it built, or can it be built
 here" by looking for the built library, a compiler, ninja and the Python headers.
@@ -13,6 +16,7 @@ here" by looking for the built library, a compiler, ninja and the Python headers
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -42,15 +46,25 @@ def cpu_signature() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def source_signature() -> str:
+    """A short hash of the kernel source and its compiler flags."""
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:8]
+
+
 def build_dir() -> Path:
     from nanoengine import assets
 
-    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu{cpu_signature()}"
+    tag = (f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu{cpu_signature()}"
+           f"-src{source_signature()}")
     return assets.home() / "kernels" / tag.replace("+", "_")
 
 
+def built_library() -> Path | None:
+    return next(iter(sorted(build_dir().glob(f"{NAME}*.so"))), None)
+
+
 def is_built() -> bool:
-    return any(build_dir().glob(f"{NAME}*.so"))
+    return built_library() is not None
 
 
 def build_problem() -> str | None:
@@ -74,9 +88,18 @@ def load() -> ModuleType:
     """The extension, compiled first if this machine has no build yet; raises when it cannot be built."""
     from torch.utils.cpp_extension import load as load_extension
 
+    library = built_library()
+    if library is not None:
+        try:  # import the built library as it is (what cpp_extension does after its build check)
+            spec = importlib.util.spec_from_file_location(NAME, library)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except (ImportError, OSError):
+            pass  # half-written by a build running right now: wait for it below, under the build lock
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
-    if not is_built():
+    if library is None:
         print("nanoengine: compiling the CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
         return load_extension(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
