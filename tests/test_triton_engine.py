@@ -14,8 +14,8 @@ from nanoengine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=6, ignore_eos=True)
 PREFIX = [5, 17, 300, 42] * 8  # 32 tokens: two whole blocks of 16
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from nanoengine.kernels.triton_common import LOG2E, attend_keys, dot_in_fp32, pow2
 
-BLOCK_N = 32  # tokens per tile
+BLOCK_N = 64  # tokens per tile
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 MAX_SPLITS = 16
 

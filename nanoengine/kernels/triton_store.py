@@ -1,9 +1,9 @@
 """Triton kernel: write each new token's K and V rows into the paged cache at its slot. Chapter 06.
 
-One program per token. Slot = physical block * block_size + offset in the block; slot -1 means "skip": a
-padding row, or a token whose K/V already sits in a shared prefix-cache block. The program loads the
-token's [num_kv_heads, head_dim] rows of K and of V once and stores them into every head's place in the
-cache. The cache is addressed through its strides, so any layout works: the launcher takes it as a
+One program per BLOCK_T tokens. Slot = physical block * block_size + offset in the block; slot -1 means
+"skip": a padding row, or a token whose K/V already sits in a shared prefix-cache block (a masked-out row of
+the tile). The program loads its tokens' [num_kv_heads, head_dim] rows of K and of V once and stores them
+into every head's place in the cache. The cache is addressed through its strides, so any layout works: the launcher takes it as a
 [num_kv_heads, num_blocks, block_size, head_dim] view (the torch/triton layout as it is, flash-attn's
 [num_blocks, block_size, num_kv_heads, head_dim] permuted, with no copy).
 """
@@ -16,25 +16,28 @@ import triton.language as tl
 
 from nanoengine.kernels.triton_common import pow2
 
+BLOCK_T = 16  # tokens per program
+
 
 @triton.jit
-def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                     stride_kt, stride_kh, stride_vt, stride_vh,  # new K, V: [num_tokens, num_kv_heads, head_dim]
                     stride_head, stride_block, stride_slot,  # the caches' (same for K and V)
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)  # int64
-    if slot < 0:  # padding, or already cached
-        return
-    h = tl.arange(0, BLOCK_H)  # kv heads (padded to a power of two)
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # a [BLOCK_T tokens, BLOCK_H kv heads, BLOCK_D] tile, each axis padded to a power of two
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
-    k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + h[:, None] * stride_head
-    tl.store(k_cache_ptr + dst + d[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + dst + d[None, :], v, mask=mask)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)  # [BLOCK_T] int64; -1: padding, or cached
+    t3, h3, d3 = t[:, None, None], h[None, :, None], d[None, None, :]
+    mask = (slot >= 0)[:, None, None] & (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM)  # [BLOCK_T, BLOCK_H, BLOCK_D]
+    k = tl.load(k_ptr + t3 * stride_kt + h3 * stride_kh + d3, mask=mask)
+    v = tl.load(v_ptr + t3 * stride_vt + h3 * stride_vh + d3, mask=mask)
+    row = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot  # [BLOCK_T] where each goes
+    dst = row[:, None, None] + h3 * stride_head + d3
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,9 +49,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
-    store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+    store_kv_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_H=pow2(num_kv_heads), BLOCK_D=pow2(head_dim))
+        BLOCK_T=BLOCK_T, BLOCK_H=pow2(num_kv_heads), BLOCK_D=pow2(head_dim))
