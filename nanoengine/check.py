@@ -4,8 +4,12 @@ book chapter (00-08) does:
     from nanoengine.check import check
     check("ch03")
 
+and an inline check cell after an exercise shows that exercise's tests: `check("5.2")`. A test that stops at
+the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo").
+
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
-exercises/ files are always picked up without restarting the kernel. By default they test your
+exercises/ files are always picked up without restarting the kernel; the results of a run are reused until
+your files or the tests change. By default they test your
 exercises/; `impl="solutions"` tests the reference answers (or set NANOENGINE_IMPL).
 """
 
@@ -23,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")
 _EXERCISE = re.compile(r"Exercise (\d+)\.(\d+): (.+?)\.?(?:\"\"\"|''')?\s*$")
+_ONE_EXERCISE = re.compile(r"(\d{1,2})\.(\d{1,2})")
+_STUB = re.compile(r"Exercise (\d+\.\d+):")
 
 
 @dataclass
@@ -71,12 +77,22 @@ class ChapterResult:
             title = self.exercises.get(n, "")
             title = title if len(title) <= width else title[: width - 3] + "..."
             lines.append(f"  {n:>5}  {title:<{width}}  {self.status(n):<7} {ok}/{len(tests)} tests")
+            needs = sorted({dep for t in tests if t.outcome == "todo" for dep in [_stub_of(t.message)]
+                            if dep and dep != n})
+            if needs:
+                lines.append(f"         -> {n} uses your {', '.join(needs)}, still todo")
             first_fail = next((t for t in tests if t.outcome == "fail"), None)
             if first_fail is not None:
                 lines.append(f"         -> {first_fail.name}: {_shorten(first_fail.message, 300)}")
         done = sum(self.status(n) == "PASS" for n in numbers)
         lines.append(f"{done} of {len(numbers)} exercises pass.")
         return "\n".join(lines)
+
+
+def _stub_of(message: str) -> str | None:
+    """The exercise whose untouched stub raised in this test ("5.1"), if the message names one."""
+    m = _STUB.search(message)
+    return m.group(1) if m else None
 
 
 def _shorten(text: str, n: int) -> str:
@@ -130,13 +146,45 @@ def _parse_junit(path: Path) -> list[TestResult]:
     return results
 
 
+_RESULTS: dict[tuple, tuple[list[TestResult], str]] = {}  # source stamps -> (tests, error) of a finished run
+
+
+def _stamp(impl_dir: Path, chapter: str) -> tuple:
+    """What a chapter's test results depend on that a learner edits: their files and the tests."""
+    paths = [*sorted(impl_dir.glob(f"{chapter}_*.py")), *sorted((ROOT / "tests" / "exercises").glob("*.py"))]
+    return (str(impl_dir), chapter, *((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in paths))
+
+
 def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> ChapterResult:
-    """Run a chapter's exercise tests; return the results (check() prints them)."""
+    """Run a chapter's exercise tests ("ch05"), or show one exercise's ("5.2"); return the results (check()
+    prints them). The whole chapter runs either way, and its results are kept until the chapter's exercise files
+    or the tests change, so the inline checks and the chapter-end table of a Run All cost one run."""
+    one = _ONE_EXERCISE.fullmatch(str(chapter).strip())
+    if one:
+        chapter = one.group(1)
     name, files = _chapter_files(chapter)
     impl = impl or os.environ.get("NANOENGINE_IMPL") or "exercises"
     impl_dir = ROOT / impl if impl in ("exercises", "solutions") else Path(impl)
     result = ChapterResult(name, f"{impl}/" if impl in ("exercises", "solutions") else impl,
                            exercises=_exercise_titles(impl_dir, name))
+    key = _stamp(impl_dir, name)
+    if key not in _RESULTS:
+        tests, error = _run_pytest(files, impl, timeout)
+        if error:
+            result.tests, result.error = tests, error
+            return result
+        _RESULTS.clear()  # keep one chapter's results at a time
+        _RESULTS[key] = (tests, error)
+    result.tests = list(_RESULTS[key][0])
+    if one:
+        number = f"{int(one.group(1))}.{int(one.group(2))}"
+        result.exercises = {k: v for k, v in result.exercises.items() if k == number}
+        result.tests = [t for t in result.tests if t.exercise == number]
+    return result
+
+
+def _run_pytest(files: list[Path], impl: str, timeout: float) -> tuple[list[TestResult], str]:
+    """The chapter's tests in a fresh pytest process: (results, error); error is "" when pytest ran."""
     env = dict(os.environ, NANOENGINE_IMPL=impl, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
@@ -145,20 +193,17 @@ def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> Ch
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            result.error = f"the tests took more than {timeout:.0f} s"
-            return result
+            return [], f"the tests took more than {timeout:.0f} s"
         if not xml.is_file() or proc.returncode not in (0, 1):
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            result.error = f"pytest exited with code {proc.returncode}:\n" + "\n".join(tail)
-            if xml.is_file():
-                result.tests = _parse_junit(xml)
-            return result
-        result.tests = _parse_junit(xml)
-    return result
+            return (_parse_junit(xml) if xml.is_file() else []), (f"pytest exited with code {proc.returncode}:\n"
+                                                                   + "\n".join(tail))
+        return _parse_junit(xml), ""
 
 
 def check(chapter: str | int, impl: str | None = None) -> ChapterResult:
-    """Run chapter `chapter`'s exercise tests (your exercises/ by default) and print a pass/fail table."""
+    """Run chapter `chapter`'s exercise tests ("ch05"), or one exercise's ("5.2"), against your exercises/ by
+    default, and print a pass/fail table."""
     result = run(chapter, impl)
     print(result.table())
     return result

@@ -2,6 +2,7 @@
 
     from nanoengine.viz import show_timeline
     show_timeline(llm.trace)   # slider + play: block table, batch bars, KV usage and hit rate, linked
+    ScheduleExplorer({(budget, blocks): trace, ...})   # chapter 05: the same requests under other settings
 
 `state` computes plain data from a `RunTrace`; `static` draws it with matplotlib; `html` and `widgets` draw
 it as ipywidgets. The engine never imports this package.
@@ -18,6 +19,8 @@ from nanoengine.viz.state import (
     block_table_states,
     kv_usage_state,
     prefix_tree_state,
+    request_timeline_state,
+    run_summary,
     seq_colors,
 )
 from nanoengine.viz.static import plot_batch_composition, plot_block_table, plot_kv_usage, plot_prefix_tree
@@ -26,6 +29,7 @@ from nanoengine.viz.widgets import (
     BlockTableView,
     KVUsageView,
     PrefixTreeView,
+    ScheduleExplorer,
     StepTimeline,
     show_timeline,
 )
@@ -33,6 +37,8 @@ from nanoengine.viz.widgets import (
 __all__ = [
     "BatchCompositionState", "BlockCell", "BlockTableState", "KVUsageState", "PrefixTreeState",
     "batch_composition_state", "block_table_state", "block_table_states", "kv_usage_state", "prefix_tree_state",
-    "seq_colors", "plot_batch_composition", "plot_block_table", "plot_kv_usage", "plot_prefix_tree",
-    "BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "StepTimeline", "show_timeline",
+    "request_timeline_state", "run_summary", "seq_colors",
+    "plot_batch_composition", "plot_block_table", "plot_kv_usage", "plot_prefix_tree",
+    "BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "ScheduleExplorer", "StepTimeline",
+    "show_timeline",
 ]

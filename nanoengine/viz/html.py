@@ -29,6 +29,8 @@ from nanoengine.viz.state import (
     BlockTableState,
     KVUsageState,
     PrefixTreeState,
+    RequestTimelineState,
+    RunSummary,
     grid_columns,
     ink,
     short_text,
@@ -266,3 +268,54 @@ def prefix_tree_svg(st: PrefixTreeState, tokenizer: Any = None, selected_seq: in
                    f"fill='#333'>{node.hits} hit · {node.misses} miss</text></g>")
     out.append("</svg>")
     return "".join(out)
+
+
+LANE_COLORS = {"wait": "#e6e6e6", "stalled": "#fff2b3", "done": "#ffffff"}
+
+
+def request_lanes_svg(st: RequestTimelineState, step: int | None = None, width: int = 640) -> str:
+    """One lane per sequence: grey while waiting, solid while prefilling, pale while decoding, yellow when
+    running but left out of the batch, a red ✕ where it was preempted, ▼ where it finished."""
+    left, right, top = 52, 8, 6
+    lane = 14 if len(st.seq_ids) <= 16 else 9
+    n = max(st.num_steps, 1)
+    w = width - left - right
+    cw = w / n
+    height = top + lane * len(st.seq_ids) + 22
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' style='{FONT}'>"]
+    if step is not None:
+        out.append(f"<rect x='{left + step * cw:.1f}' y='0' width='{cw:.1f}' height='{height - 18}' "
+                   f"fill='{STEP_COLOR}' opacity='.45'/>")
+    for r, sid in enumerate(st.seq_ids):
+        y = top + r * lane
+        color = st.seq_colors[sid]
+        out.append(f"<text x='{left - 4}' y='{y + lane - 4}' text-anchor='end' font-size='9'>seq {sid}</text>")
+        for s, kind in enumerate(st.kinds[sid]):
+            x = left + s * cw
+            tip = f"step {s}: seq {sid} {kind}" + (f" {st.tokens[sid][s]} tokens" if st.tokens[sid][s] else "")
+            if kind in ("prefill", "decode"):
+                op = "1" if kind == "prefill" else ".45"
+                out.append(f"<rect x='{x:.1f}' y='{y + 1}' width='{max(cw, 0.8):.1f}' height='{lane - 2}' "
+                           f"fill='{color}' fill-opacity='{op}'><title>{tip}</title></rect>")
+            elif kind == "preempted":
+                out.append(f"<text x='{x + cw / 2:.1f}' y='{y + lane - 3}' text-anchor='middle' font-size='{lane - 2}' "
+                           f"font-weight='bold' fill='{PREEMPT_COLOR}'>✕<title>{tip}</title></text>")
+            elif kind in ("wait", "stalled"):
+                out.append(f"<rect x='{x:.1f}' y='{y + 3}' width='{max(cw, 0.8):.1f}' height='{lane - 6}' "
+                           f"fill='{LANE_COLORS[kind]}'><title>{tip}</title></rect>")
+        if sid in st.finished_step:
+            s = st.finished_step[sid]
+            out.append(f"<text x='{left + (s + 1) * cw + 1:.1f}' y='{y + lane - 3}' font-size='{lane - 4}' "
+                       f"fill='{FINISH_COLOR}'>▼<title>step {s}: seq {sid} finished</title></text>")
+    out.append(f"<text x='{left + w / 2}' y='{height - 6}' text-anchor='middle' font-size='10'>engine step (solid: "
+               "prefill, pale: decode, grey: waiting, yellow: running but not in the batch, ✕ preempted, ▼ finished)"
+               "</text></svg>")
+    return "".join(out)
+
+
+def run_summary_html(sm: RunSummary, budget: int, num_blocks: int, block_size: int) -> str:
+    return (f"<div style='{FONT}'><b>budget {budget} tokens/step, {num_blocks} KV blocks of {block_size}</b>: "
+            f"{sm.steps} steps ({sm.seconds:.2f} s), {sm.computed_tokens} token positions computed for "
+            f"{sm.prompt_tokens} prompt tokens; batch {sm.mean_batch_tokens:.1f} tokens on average "
+            f"({sm.mean_fill:.0%} of the budget); {sm.chunked_steps} steps with a chunked prompt; "
+            f"{sm.preemptions} preemptions, {sm.recomputed_tokens} tokens recomputed</div>")

@@ -1,5 +1,6 @@
-"""ipywidgets views of a recorded run: block table, batch composition, KV usage, prefix tree, step timeline.
-Chapters 03 (block table), 04 (prefix tree), 05 (batch composition) and the timeline used from 03 on.
+"""ipywidgets views of a recorded run: block table, batch composition, KV usage, prefix tree, step timeline,
+and the schedule explorer (several runs of the same requests). Chapters 03 (block table), 04 (prefix tree),
+05 (batch composition, schedule explorer) and the timeline used from 03 on.
 
     from nanoengine.viz import show_timeline
     show_timeline(llm.trace)
@@ -30,6 +31,8 @@ from nanoengine.viz.state import (
     check_trace,
     kv_usage_state,
     prefix_tree_state,
+    request_timeline_state,
+    run_summary,
     short_text,
 )
 
@@ -208,6 +211,80 @@ class StepTimeline(_StepView):
                          widgets.HTML(f"<div style='{html.FONT}'><b>batch composition</b></div>"), self.batch,
                          widgets.HTML(f"<div style='{html.FONT}'><b>KV usage and hit rate</b></div>"), self.kv]
         self.step = step
+
+
+class ScheduleExplorer(widgets.VBox):
+    """The same requests run under several scheduler settings: pick the token budget and the KV pool size with
+    the sliders, and scrub the steps of that run. Shows the run's totals, the batch composition (tokens per
+    sequence per step, against the budget) and one lane per request (waiting, prefill, decode, preempted).
+
+    `runs` maps (max_num_batched_tokens, num_kvcache_blocks) to the RunTrace of a real run; every view is
+    computed once up front, so moving a slider only swaps drawings."""
+
+    step = traitlets.Int(0)
+
+    def __init__(self, runs: dict[tuple[int, int], RunTrace], budget: int | None = None,
+                 num_blocks: int | None = None, step: int = 0) -> None:
+        super().__init__()
+        if not runs:
+            raise ValueError("ScheduleExplorer needs at least one run: {(budget, num_blocks): llm.trace, ...}")
+        self.runs = {key: check_trace(t) for key, t in runs.items()}
+        self.budgets = sorted({b for b, _ in self.runs})
+        self.pools = sorted({p for _, p in self.runs})
+        missing = [(b, p) for b in self.budgets for p in self.pools if (b, p) not in self.runs]
+        if missing:
+            raise ValueError(f"ScheduleExplorer needs a run for every budget and pool size; missing {missing}")
+        self.batch_states = {k: batch_composition_state(t) for k, t in self.runs.items()}
+        self.lane_states = {k: request_timeline_state(t) for k, t in self.runs.items()}
+        self.summaries = {k: run_summary(t) for k, t in self.runs.items()}
+        self.budget_slider = widgets.SelectionSlider(options=self.budgets, value=budget or self.budgets[0],
+                                                     description="token budget", layout=widgets.Layout(width="420px"))
+        self.pool_slider = widgets.SelectionSlider(options=self.pools, value=num_blocks or self.pools[0],
+                                                   description="KV blocks", layout=widgets.Layout(width="420px"))
+        self.step_slider = widgets.IntSlider(min=0, max=0, description="step", layout=widgets.Layout(width="640px"))
+        widgets.link((self.step_slider, "value"), (self, "step"))
+        self._summary, self._batch, self._info, self._lanes = (widgets.HTML() for _ in range(4))
+        self.children = [self.budget_slider, self.pool_slider, self._summary, self.step_slider, self._batch,
+                         self._info, self._lanes]
+        self.budget_slider.observe(lambda _: self._pick_run(), names="value")
+        self.pool_slider.observe(lambda _: self._pick_run(), names="value")
+        self.observe(lambda _: self.redraw(), names="step")
+        self._pick_run(step)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.budget_slider.value, self.pool_slider.value)
+
+    @property
+    def trace(self) -> RunTrace:
+        return self.runs[self.key]
+
+    def _pick_run(self, step: int | None = None) -> None:
+        n = len(self.trace.steps)
+        target = min(self.step if step is None else step, n - 1)
+        with self.hold_trait_notifications():
+            self.step_slider.max = n - 1
+        self.step = check_step(self.trace, target)
+        sm, t = self.summaries[self.key], self.trace
+        self._summary.value = html.run_summary_html(sm, self.key[0], self.key[1], t.block_size)
+        self.redraw()
+
+    @traitlets.validate("step")
+    def _valid_step(self, proposal):
+        return check_step(self.trace, proposal["value"])
+
+    def redraw(self) -> None:
+        st, s = self.batch_states[self.key], self.step
+        self._batch.value = html.batch_svg(st, s)
+        self._lanes.value = html.request_lanes_svg(self.lane_states[self.key], s)
+        parts = [f"seq {g.seq_id} {g.kind} {g.tokens}" for g in st.bar(s)]
+        extra = ""
+        if s in st.preempted:
+            extra += f"; preempted seq {', '.join(map(str, st.preempted[s]))}"
+        if s in st.finished:
+            extra += f"; finished seq {', '.join(map(str, st.finished[s]))}"
+        self._info.value = (f"<div style='{html.FONT}'>step {s}: {st.totals[s]}/{st.budgets[s]} tokens "
+                            f"({', '.join(parts) or 'nothing scheduled'}){extra}</div>")
 
 
 def show_timeline(trace: RunTrace, tokenizer: Any = None, step: int = 0, interval: int = 600) -> StepTimeline:

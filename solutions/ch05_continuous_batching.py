@@ -1,0 +1,254 @@
+"""Chapter 05, book/05_continuous_batching.ipynb: continuous batching, the scheduler and the sampler.
+
+Exercise 5.1: make room in the KV pool by preempting the newest running sequences.
+Exercise 5.2: one scheduling step under a token budget.
+Exercise 5.3: flatten a scheduled batch into the model's inputs.
+Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
+Exercise 5.5: sample one token per row, each seeded request from its own generator.
+
+5.1 and 5.2 work on the engine's own objects, so your scheduling step can drive the engine: `sched` is a
+`nanoengine.engine.scheduler.Scheduler` (its `running` list, oldest first; its `waiting` deque; its
+`block_manager`, with `can_allocate`, `allocate`, `free`, `blocks_needed`, `match_prefix` and
+`cache_full_blocks`; `max_num_batched_tokens` and `max_num_seqs`). They return the engine's
+`SchedulerOutput` of `ScheduledSeq(seq, num_new_tokens, is_prefill)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from nanoengine.engine.sequence import Sequence, SequenceStatus
+
+
+def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
+    """Exercise 5.1: preempt the newest running sequences until `seq`'s next tokens fit the KV pool.
+
+    While `sched.block_manager.can_allocate(seq, num_new_tokens)` is False, preempt the NEWEST running
+    sequence, the last of `sched.running` (`seq` itself, when it is the newest):
+    - take it out of `sched.running` and free its blocks (`block_manager.free(victim)` returns the block ids
+      that became free: add them to `out.blocks_freed`);
+    - its K/V are gone, so it starts over: `num_computed_tokens = 0`, status `SequenceStatus.WAITING`,
+      `num_preemptions += 1`; it goes to the FRONT of `sched.waiting` (`appendleft`);
+    - append it to `out.preempted`.
+    Stop as soon as `seq` fits, or right after preempting `seq` itself. Return True if `seq` is still
+    running (its tokens now fit), False if it was preempted.
+    """
+    # BEGIN SOLUTION
+    bm = sched.block_manager
+    while not bm.can_allocate(seq, num_new_tokens):
+        victim = sched.running.pop()
+        out.blocks_freed += bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        sched.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        if victim is seq:
+            return False
+    return True
+    # END SOLUTION
+
+
+def schedule(sched: Scheduler) -> SchedulerOutput:
+    """Exercise 5.2: one scheduling step; the same decisions as `Scheduler.schedule`.
+
+    budget = sched.max_num_batched_tokens tokens for the whole step. Two passes:
+
+    1. Running sequences, in order (oldest first). Each asks for n = min(tokens not yet computed, budget)
+       tokens: 1 for a decode, the rest of the prompt (capped) for a chunked prefill. Skip it when n is 0.
+       When it needs new blocks (`block_manager.blocks_needed(seq, n)`) and they are not free, call your
+       `preempt_until_fits`; if that preempted `seq` itself, stop the pass. Allocate, register the blocks
+       that become full (`cache_full_blocks(seq, num_computed_tokens + n)`), schedule
+       `ScheduledSeq(seq, n, seq.is_prefill)` and take n from the budget. Stop when the budget is 0.
+    2. Waiting sequences, in queue order, only if this step preempted nothing, while budget > 0 and fewer
+       than sched.max_num_seqs run:
+       - an n>1 sibling (`seq.wait_for` set, not finished, and its prompt not yet all computed) is skipped;
+       - prefix-cache hits: `hits = block_manager.match_prefix(seq)` (seq's block table is empty); set
+         `num_cached_tokens = hits` and `num_computed_tokens = min(hits, seq.num_tokens - 1)`: the last token
+         is always computed, since its logits give the next token;
+       - n = min(tokens not yet computed, budget); if the blocks for n tokens are not free, undo the hit
+         (`block_manager.free(seq)`, computed and cached back to 0) and try the NEXT waiting sequence;
+       - otherwise note `is_prefill = seq.is_prefill`, allocate, `cache_full_blocks(seq, computed + n)`,
+         move it from waiting to the end of running (status RUNNING), schedule it, append (seq_id, hits)
+         to `out.cache_hits`, take n from the budget.
+    Record every allocated block id in `out.blocks_allocated` and the tokens used in
+    `out.num_batched_tokens`.
+    """
+    # BEGIN SOLUTION
+    bm = sched.block_manager
+    out = SchedulerOutput()
+    budget = sched.max_num_batched_tokens
+    i = 0
+    while i < len(sched.running) and budget > 0:
+        seq = sched.running[i]
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if n == 0:
+            i += 1
+            continue
+        if bm.blocks_needed(seq, n) and not preempt_until_fits(sched, seq, n, out):
+            break
+        out.blocks_allocated += bm.allocate(seq, n)
+        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
+        budget -= n
+        i += 1
+    if not out.preempted:
+        j = 0
+        while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            seq = sched.waiting[j]
+            first = seq.wait_for
+            if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
+                j += 1
+                continue
+            hits = bm.match_prefix(seq)
+            seq.num_cached_tokens = hits
+            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                j += 1
+                continue
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            del sched.waiting[j]
+            seq.status = SequenceStatus.RUNNING
+            sched.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+            out.cache_hits.append((seq.seq_id, hits))
+            budget -= n
+    out.num_batched_tokens = sched.max_num_batched_tokens - budget
+    return out
+    # END SOLUTION
+
+
+@dataclass
+class FlatBatch:
+    """One step's model inputs as plain lists (the fields of the engine's ModelInput and AttentionMetadata)."""
+    input_ids: list[int] = field(default_factory=list)  # one row per new token: decodes first, then chunks
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)  # cache slot of each row, -1 if a cached block holds it
+    decode_block_tables: list[list[int]] = field(default_factory=list)  # one row per decode, padded with 0
+    decode_context_lens: list[int] = field(default_factory=list)  # tokens each decode attends over
+    prefill_query_starts: list[int] = field(default_factory=list)  # first row of each prefill chunk
+    prefill_query_lens: list[int] = field(default_factory=list)
+    prefill_context_lens: list[int] = field(default_factory=list)  # cached prefix + chunk
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits give a sequence's next token
+    sample_seq_ids: list[int] = field(default_factory=list)  # the sequence of each sampled row
+
+
+def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
+    """Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does.
+
+    Each ScheduledSeq computes positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 of
+    its sequence (num_computed_tokens is not yet advanced: that happens after the forward pass).
+    - Decodes first: every ScheduledSeq with exactly ONE new token (a prefill whose prompt hit the prefix
+      cache up to its last token counts too), in scheduled order; then every other one (prefill chunks),
+      in scheduled order.
+    - Per row: the token id at that position, the position, and the slot
+      block_table[pos // block_size] * block_size + pos % block_size, or -1 when pos < num_cached_tokens
+      (a shared prefix-cache block already holds that K/V: it is not written again).
+    - Decodes: their block tables, padded with 0 to the longest, and their context length (computed + 1).
+    - Prefill chunks: the row where each starts, its length, and its context length (computed + new).
+    - Sampled rows: the row of a sequence's last token, only when this step reaches the end of the
+      sequence (a chunk in the middle of a prompt produces no token), with that sequence's id.
+    """
+    # BEGIN SOLUTION
+    flat = FlatBatch()
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in scheduled if s.num_new_tokens != 1]
+    for group in (decodes, prefills):
+        for s in group:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            if group is prefills:
+                flat.prefill_query_starts.append(len(flat.input_ids))
+                flat.prefill_query_lens.append(n)
+                flat.prefill_context_lens.append(start + n)
+            for pos in range(start, start + n):
+                flat.input_ids.append(seq.token_ids[pos])
+                flat.positions.append(pos)
+                block = seq.block_table[pos // block_size]
+                flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens else block * block_size + pos % block_size)
+            if start + n == seq.num_tokens:
+                flat.sample_rows.append(len(flat.input_ids) - 1)
+                flat.sample_seq_ids.append(seq.seq_id)
+    width = max((len(s.seq.block_table) for s in decodes), default=0)
+    flat.decode_block_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
+    flat.decode_context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+    return flat
+    # END SOLUTION
+
+
+def process_logits(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+                   min_ps: list[float]) -> torch.Tensor:
+    """Exercise 5.4: the filter chain of one batch, in vLLM's order; return new logits [B, V].
+
+    `logits` [B, V] float32, one row per request; the lists give each row's parameters.
+    1. Temperature: divide row b by temperatures[b] (a greedy row, temperature 0, is divided by 1).
+    2. min-p (skip when min_ps[b] is 0): mask every token whose probability (softmax of the scaled row) is
+       below min_ps[b] times the row's largest probability.
+    3. top-k (skip when top_ks[b] is -1): keep the top_ks[b] largest logits of what is left.
+    4. top-p (skip when top_ps[b] is 1.0): over what top-k kept, renormalized (softmax of the kept logits),
+       keep the smallest set of most likely tokens whose probability mass reaches top_ps[b]: sorted from the
+       most likely, a token stays when the mass of the tokens BEFORE it is below top_ps[b] (so the most
+       likely token always stays).
+    "Mask" means: set the logit to -inf. Do not change the input tensor.
+    """
+    # BEGIN SOLUTION
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    x = logits / torch.where(temps == 0, 1.0, temps)[:, None]  # [B, V]
+    out = []
+    for b in range(x.shape[0]):
+        row = x[b]
+        if min_ps[b] > 0:
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < min_ps[b] * probs.max(), float("-inf"))
+        if top_ks[b] != -1 or top_ps[b] < 1.0:
+            values, order = row.sort(descending=True)
+            if top_ks[b] != -1:
+                values = values.clone()
+                values[top_ks[b]:] = float("-inf")
+            if top_ps[b] < 1.0:
+                probs = torch.softmax(values, dim=-1)
+                before = probs.cumsum(dim=-1) - probs
+                drop = before >= top_ps[b]
+                drop[0] = False
+                values = values.masked_fill(drop, float("-inf"))
+            row = torch.empty_like(row).scatter_(0, order, values)
+        out.append(row)
+    return torch.stack(out)
+    # END SOLUTION
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+           min_ps: list[float], generators: list[torch.Generator | None],
+           shared_generator: torch.Generator) -> list[int]:
+    """Exercise 5.5: one token per row, drawn exactly as the engine's Sampler draws it.
+
+    - If every row is greedy (temperature 0), return each row's argmax and draw nothing.
+    - Otherwise filter with your `process_logits`, take the cumulative sum of the softmax of each row
+      (masked tokens add 0) and draw one uniform u per row: first `torch.rand(B, generator=shared_generator)`
+      for all rows, then every row b with its own generator (a request with a seed) replaces its u with
+      `torch.rand((), generator=generators[b])`. Its tokens then do not depend on the other rows of the batch.
+    - The sampled token is the first index whose cumulative probability exceeds u * (the row's total, its
+      last cumulative value): `torch.searchsorted(cdf, target, right=True)`, at most V - 1.
+    - Greedy rows in a mixed batch take the argmax of their unfiltered logits.
+    """
+    # BEGIN SOLUTION
+    greedy = [t == 0 for t in temperatures]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    cdf = torch.softmax(process_logits(logits, temperatures, top_ks, top_ps, min_ps), dim=-1).cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], generator=shared_generator)  # [B]
+    for b, gen in enumerate(generators):
+        if gen is not None:
+            u[b] = torch.rand((), generator=gen).item()
+    target = (u * cdf[:, -1])[:, None]  # [B, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+    argmax = logits.argmax(dim=-1)
+    return [int(argmax[b]) if greedy[b] else int(tokens[b]) for b in range(len(greedy))]
+    # END SOLUTION

@@ -1,0 +1,698 @@
+"""Exercises of book/05_continuous_batching.ipynb, checked step by step against nanoengine's Scheduler,
+InputBuilder and Sampler on seeded workloads and seeded logits. A mismatch is also compared with the
+classic wrong answers (preempting the oldest, admitting in a step that preempted, top-p before top-k,
+sampling a seeded request from the shared generator, ...) so the message can say which one it looks like."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from ex_helpers import assert_equal, book
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from nanoengine.engine.sequence import Sequence, SequenceStatus
+from nanoengine.layers.sampler import Sampler, SamplingBatch, apply_top_k_top_p_min_p
+from nanoengine.sampling_params import SamplingParams
+
+CHAPTER = "ch05_continuous_batching"
+pytestmark = pytest.mark.xdist_group("ex_ch05")
+NB = "05_continuous_batching.ipynb"
+EOS = 7
+
+
+# ------------------------------------------------------------------------------------------ workloads
+def make_sched(num_blocks: int, bs: int, budget: int, max_seqs: int, max_model_len: int = 256) -> Scheduler:
+    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
+    return Scheduler(cfg, BlockManager(num_blocks, bs), eos_token_ids={EOS})
+
+
+class Workload:
+    """Requests that share a few prefixes (some repeated whole, so a prompt can hit up to its last token),
+    some with n > 1 completions (siblings wait for the first one's prefill, as LLMEngine sets them up)."""
+
+    def __init__(self, seed: int, bs: int, max_prompt: int, max_new: int):
+        self.rng = random.Random(seed)
+        self.bs, self.max_prompt, self.max_new = bs, max_prompt, max_new
+        self.prefixes = [[self.rng.randrange(10, 1000) for _ in range(self.rng.randint(bs, 3 * bs))]
+                         for _ in range(3)]
+        self.seen: list[list[int]] = []
+
+    def prompt(self) -> list[int]:
+        r = self.rng
+        if self.seen and r.random() < 0.15:  # an earlier prompt again
+            return list(r.choice(self.seen))
+        head = list(r.choice(self.prefixes)) if r.random() < 0.6 else []
+        ids = (head + [r.randrange(10, 1000) for _ in range(r.randint(1, self.max_prompt))])[: self.max_prompt]
+        if r.random() < 0.3:  # a whole number of blocks: a repeat hits every block
+            ids = ids[: max(self.bs, len(ids) // self.bs * self.bs)]
+            ids += [r.randrange(10, 1000) for _ in range(self.bs - len(ids))] if len(ids) < self.bs else []
+        self.seen.append(ids)
+        return ids
+
+    def add_requests(self, sched: Scheduler, k: int) -> None:
+        for _ in range(k):
+            r = self.rng
+            params = SamplingParams(n=2 if r.random() < 0.2 else 1, max_tokens=r.randint(1, self.max_new),
+                                    ignore_eos=r.random() < 0.5)
+            ids = self.prompt()
+            seqs = [Sequence(ids, params, self.bs) for _ in range(params.n)]
+            for i, s in enumerate(seqs):
+                s.index = i
+                if i:
+                    s.wait_for = seqs[0]
+            for s in seqs:
+                sched.add(s)
+
+
+def sampled_of(out: SchedulerOutput, rng: random.Random) -> list[tuple[Sequence, int]]:
+    """A token for every scheduled sequence that reaches its last token (what the model runner returns)."""
+    return [(s.seq, EOS if rng.random() < 0.08 else rng.randrange(10, 1000)) for s in out.scheduled
+            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+
+
+def plan(out: SchedulerOutput) -> dict:
+    return {"scheduled (seq_id, num_new_tokens, is_prefill)": [(s.seq.seq_id, s.num_new_tokens, s.is_prefill)
+                                                               for s in out.scheduled],
+            "preempted seq ids": [s.seq_id for s in out.preempted],
+            "cache_hits": list(out.cache_hits),
+            "blocks_allocated": list(out.blocks_allocated),
+            "blocks_freed": list(out.blocks_freed),
+            "num_batched_tokens": out.num_batched_tokens}
+
+
+def snapshot(sched: Scheduler) -> dict:
+    bm = sched.block_manager
+    seqs = list(sched.running) + list(sched.waiting)
+    return {"running seq ids": [s.seq_id for s in sched.running],
+            "waiting seq ids": [s.seq_id for s in sched.waiting],
+            "per seq (computed, cached, block table, status, preemptions)": {
+                s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, list(s.block_table), s.status.name,
+                           s.num_preemptions) for s in seqs},
+            "free block list": list(bm.free_block_ids),
+            "ref counts": [b.ref_count for b in bm.blocks],
+            "prefix cache (hash -> block)": dict(bm.hash_to_block_id)}
+
+
+def first_difference(got: dict, want: dict) -> str | None:
+    for key, value in want.items():
+        if got.get(key) != value:
+            mine = got.get(key)
+            if isinstance(value, dict) and isinstance(mine, dict):
+                keys = sorted(set(value) | set(mine))
+                k = next(k for k in keys if mine.get(k) != value.get(k))
+                return f"{key}, seq/key {k}: yours {mine.get(k)!r}, expected {value.get(k)!r}"
+            return f"{key}: yours {mine!r}, expected {value!r}"
+    return None
+
+
+def describe(sched: Scheduler) -> str:
+    bm = sched.block_manager
+    run = ", ".join(f"{s.seq_id}({s.num_computed_tokens}/{s.num_tokens} tok, {len(s.block_table)} blk)"
+                    for s in sched.running)
+    wait = ", ".join(f"{s.seq_id}({s.num_tokens} tok)" for s in sched.waiting)
+    return (f"[state before: budget {sched.max_num_batched_tokens}, max_num_seqs {sched.max_num_seqs}, "
+            f"{bm.num_free_blocks} of {bm.num_blocks} blocks free (block size {bm.block_size}); running {run or '-'}; "
+            f"waiting {wait or '-'}]")
+
+
+# ------------------------------------------------------------------------------ the engine's rules, with knobs
+def ref_preempt(sched, seq, n, out, mode: str = "engine") -> bool:
+    """The engine's preemption loop; `mode` computes a classic wrong variant instead."""
+    bm = sched.block_manager
+    while not bm.can_allocate(seq, n) and sched.running:
+        victim = sched.running.pop(0 if mode == "oldest" else -1)
+        out.blocks_freed += bm.free(victim)
+        if mode != "keep_computed":
+            victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        if mode == "back_of_queue":
+            sched.waiting.append(victim)
+        else:
+            sched.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        if mode == "one_victim" or (victim is seq and mode != "past_self"):
+            break
+    return seq.status == SequenceStatus.RUNNING
+
+
+PREEMPT_VARIANTS = {
+    "oldest": "preempting the OLDEST running sequence; preempt the newest (the end of sched.running): it has "
+              "the least work to lose, and everything older than `seq` was already scheduled this step",
+    "back_of_queue": "sending the victim to the BACK of the waiting queue; appendleft it: it arrived before "
+                     "every request that is waiting, so it is readmitted first",
+    "keep_computed": "keeping the victim's num_computed_tokens; its blocks are freed, so its K/V are gone and it "
+                     "must be recomputed from token 0",
+    "one_victim": "preempting one victim only; repeat until `seq`'s tokens fit (can_allocate is True)",
+    "past_self": "preempting on after `seq` itself was preempted; stop there and return False",
+}
+
+
+def ref_schedule(sched, mode: str = "engine") -> SchedulerOutput:
+    """A copy of Scheduler.schedule's rules (checked equal to it), with classic wrong variants as `mode`."""
+    bm = sched.block_manager
+    out = SchedulerOutput()
+    budget = sched.max_num_batched_tokens
+    i = 0
+    while i < len(sched.running) and budget > 0:
+        seq = sched.running[i]
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if n == 0:
+            i += 1
+            continue
+        if bm.blocks_needed(seq, n) and not ref_preempt(sched, seq, n, out):
+            break
+        out.blocks_allocated += bm.allocate(seq, n)
+        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
+        budget -= n
+        i += 1
+    if not out.preempted or mode == "admit_after_preempt":
+        j = 0
+        while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            seq = sched.waiting[j]
+            first = seq.wait_for
+            if (mode != "ignore_wait_for" and first is not None and not first.is_finished
+                    and first.num_computed_tokens < first.num_prompt_tokens):
+                j += 1
+                continue
+            hits = bm.match_prefix(seq)
+            seq.num_cached_tokens = hits
+            seq.num_computed_tokens = hits if mode == "no_last_token" else min(hits, seq.num_tokens - 1)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = left if mode == "no_chunking" else min(left, budget)
+            if not bm.can_allocate(seq, n) or (mode == "no_chunking" and n > budget):
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                if mode == "head_of_line":
+                    break
+                j += 1
+                continue
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            del sched.waiting[j]
+            seq.status = SequenceStatus.RUNNING
+            sched.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+            out.cache_hits.append((seq.seq_id, hits))
+            budget -= n
+    out.num_batched_tokens = sched.max_num_batched_tokens - budget
+    return out
+
+
+SCHEDULE_VARIANTS = {
+    "admit_after_preempt": "admitting waiting requests in a step that preempted; the pool is short of blocks, so "
+                           "an admission would take the blocks just freed and the preempted sequence would come "
+                           "straight back: admit nothing in such a step",
+    "head_of_line": "stopping admission at the first waiting request that does not fit (head-of-line "
+                    "blocking); undo its prefix hit and try the next waiting request: a shorter one may fit",
+    "no_last_token": "counting a full prefix hit as computed; set num_computed_tokens = min(hits, num_tokens - 1): "
+                     "the last prompt token is always computed, its logits give the first new token",
+    "no_chunking": "refusing to split a prompt; cap n at what is left of the budget (chunked prefill), the rest "
+                   "of the prompt is scheduled in the next steps",
+    "ignore_wait_for": "admitting an n>1 sibling before the first completion's prompt is computed; skip it while "
+                       "`seq.wait_for` is unfinished and short of its prompt, so it hits those blocks instead of "
+                       "computing the same prompt again",
+}
+
+
+class Verdict:
+    """Compare the learner's answer with the engine's at every step, and keep the classic wrong variants that
+    agree with the learner at every step so far: the failure message names them."""
+
+    def __init__(self, variants: dict[str, str]):
+        self.variants = variants
+        self.alive = list(variants)
+        self.first: str | None = None
+
+    def step(self, got, want, compute, diff, context: str) -> None:
+        if self.first is None and diff is not None:
+            self.first = f"{context}: {diff}."
+        if got != want or self.first is not None:
+            self.alive = [m for m in self.alive if self._safe(compute, m) == got]
+
+    @staticmethod
+    def _safe(compute, mode):
+        try:
+            return compute(mode)
+        except Exception:  # a variant that cannot run on this state is not the learner's answer
+            return None
+
+    def check(self, where: str) -> None:
+        if self.first is None:
+            return
+        hint = "".join(f" This looks like {self.variants[m]}." for m in self.alive[:2])
+        raise AssertionError(f"{self.first}{hint} {where}")
+
+
+def drive(sched: Scheduler, wl: Workload, steps: int, rng: random.Random, on_step) -> dict:
+    """Run the engine's scheduler for `steps` steps (adding requests now and then), calling
+    on_step(step, state_before) first; return counts of what the workload exercised."""
+    seen = {"preempted": 0, "chunked": 0, "hits": 0, "full_hits": 0, "skipped_waiting": 0, "siblings_waited": 0}
+    for step in range(steps):
+        if rng.random() < 0.3 or not sched.has_unfinished():
+            wl.add_requests(sched, rng.randint(1, 3))
+        on_step(step, sched)
+        order = list(sched.waiting)
+        sibling = [s.wait_for is not None and not s.wait_for.is_finished
+                   and s.wait_for.num_computed_tokens < s.wait_for.num_prompt_tokens for s in order]
+        out = sched.schedule()
+        admitted = [any(s is x.seq for x in out.scheduled) for s in order]
+        seen["preempted"] += bool(out.preempted)
+        seen["chunked"] += any(s.is_prefill and s.seq.num_computed_tokens + s.num_new_tokens < s.seq.num_tokens
+                               for s in out.scheduled)
+        seen["hits"] += sum(h > 0 for _, h in out.cache_hits)
+        seen["full_hits"] += sum(1 for s in out.scheduled if s.is_prefill and s.num_new_tokens == 1
+                                 and s.seq.num_cached_tokens == s.seq.num_tokens)
+        seen["siblings_waited"] += any(sib and not adm for sib, adm in zip(sibling, admitted))
+        # a waiting request that did not fit while a later one was admitted: no head-of-line blocking
+        seen["skipped_waiting"] += any(not admitted[a] and not sibling[a] and any(admitted[a + 1:])
+                                       for a in range(len(order)))
+        sched.postprocess(out, sampled_of(out, rng))
+    return seen
+
+
+WORKLOADS = [  # seed, num_blocks, block_size, budget, max_num_seqs, max prompt, max new tokens, steps
+    (51, 200, 4, 24, 6, 40, 12, 60),  # roomy pool: chunked prefill, prefix hits, siblings
+    (52, 14, 4, 16, 4, 26, 16, 80),  # small pool: preemption, skipped admissions
+    (53, 24, 8, 32, 5, 60, 24, 50),
+]
+
+
+# ------------------------------------------------------------------------------------------------- 5.1
+def test_5_1_preempt_newest_until_it_fits(ex):
+    where = book(NB, "5.1")
+    cases = 0
+    verdict = Verdict(PREEMPT_VARIANTS)
+    for seed, num_blocks, bs, budget, max_seqs, max_prompt, max_new, steps in WORKLOADS:
+        rng = random.Random(seed + 100)
+        wl = Workload(seed, bs, max_prompt, max_new)
+        sched = make_sched(num_blocks, bs, budget, max_seqs)
+
+        def on_step(step, state, rng=rng, bs=bs, seed=seed):
+            nonlocal cases
+            if len(state.running) < 2 or rng.random() < 0.5:
+                return
+            i = rng.randrange(len(state.running))
+            seq = state.running[i]
+            free = state.block_manager.num_free_blocks
+            # ask for more tokens than the free blocks hold: at least one victim; sometimes seq itself
+            extra = rng.choice([1, 1, 2, len(state.running)])
+            n = (len(seq.block_table) + free + extra) * bs - seq.num_computed_tokens
+            want_sched, got_sched = copy.deepcopy(state), copy.deepcopy(state)
+            idx = [s.seq_id for s in state.running].index(seq.seq_id)
+            want_out, got_out = SchedulerOutput(), SchedulerOutput()
+            want_ret = ref_preempt(want_sched, want_sched.running[idx], n, want_out)
+            got_ret = ex.preempt_until_fits(got_sched, got_sched.running[idx], n, got_out)
+            want = {"returned": want_ret, **plan(want_out), **snapshot(want_sched)}
+            got = {"returned": got_ret, **plan(got_out), **snapshot(got_sched)}
+            def variant(mode):
+                s, o = copy.deepcopy(state), SchedulerOutput()
+                r = ref_preempt(s, s.running[idx], n, o, mode)
+                return {"returned": r, **plan(o), **snapshot(s)}
+            verdict.step(got, want, variant, first_difference(got, want),
+                         f"preempt_until_fits(seq {seq.seq_id} at running index {idx}, {n} new tokens) at step "
+                         f"{step} of workload {seed}: {describe(state)}")
+            cases += 1
+
+        drive(sched, wl, steps, rng, on_step)
+        verdict.check(where)
+    assert cases >= 40, f"the workloads should produce preemption cases (got {cases})"
+
+
+# ------------------------------------------------------------------------------------------------- 5.2
+def test_5_2_schedule_matches_the_engine_step_by_step(ex):
+    where = book(NB, "5.2")
+    verdict = Verdict(SCHEDULE_VARIANTS)
+    for seed, num_blocks, bs, budget, max_seqs, max_prompt, max_new, steps in WORKLOADS:
+        rng = random.Random(seed + 200)
+        wl = Workload(seed, bs, max_prompt, max_new)
+        sched = make_sched(num_blocks, bs, budget, max_seqs)
+
+        def on_step(step, state, seed=seed):
+            engine, yours = copy.deepcopy(state), copy.deepcopy(state)
+            want = {**plan(engine.schedule()), **snapshot(engine)}
+            if step % 4 == 0:  # the variants below come from ref_schedule: keep it equal to the engine
+                reference = copy.deepcopy(state)
+                ref = {**plan(ref_schedule(reference)), **snapshot(reference)}
+                assert ref == want, f"test bug: ref_schedule drifted from Scheduler.schedule at step {step}"
+            out = ex.schedule(yours)
+            if not isinstance(out, SchedulerOutput):
+                raise AssertionError(f"schedule must return a SchedulerOutput, got {type(out).__name__} {where}")
+            got = {**plan(out), **snapshot(yours)}
+
+            def variant(mode):
+                s = copy.deepcopy(state)
+                return {**plan(ref_schedule(s, mode)), **snapshot(s)}
+            verdict.step(got, want, variant, first_difference(got, want),
+                         f"schedule() at step {step} of workload {seed} {describe(state)}")
+
+        seen = drive(sched, wl, steps, rng, on_step)
+        verdict.check(where)
+        if seed == 51:
+            assert seen["chunked"] and seen["hits"] and seen["full_hits"] and seen["siblings_waited"], seen
+        if seed == 52:
+            assert seen["preempted"] >= 3 and seen["skipped_waiting"], seen
+
+
+# ------------------------------------------------------------------------------------------------- 5.3
+FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_context_lens",
+               "prefill_query_starts", "prefill_query_lens", "prefill_context_lens", "sample_rows", "sample_seq_ids")
+
+
+def engine_flat(scheduled, builder: InputBuilder) -> dict:
+    inp = builder.build(scheduled)
+    a = inp.attn
+    return {"input_ids": inp.input_ids.tolist(), "positions": inp.positions.tolist(),
+            "slot_mapping": a.slot_mapping.tolist(),
+            "decode_block_tables": a.decode_block_tables.tolist() if a.decode_block_tables is not None else [],
+            "decode_context_lens": a.decode_context_lens.tolist() if a.decode_context_lens is not None else [],
+            "prefill_query_starts": list(a.prefill_query_starts), "prefill_query_lens": list(a.prefill_query_lens),
+            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": list(inp.sample_rows),
+            "sample_seq_ids": [s.seq_id for s in inp.sample_seqs]}
+
+
+def variant_flat(scheduled, bs: int, mode: str) -> dict:
+    """The layout with one classic mistake."""
+    if mode == "scheduled_order":
+        decodes, prefills = [], list(scheduled)
+
+    elif mode == "is_prefill_groups":
+        decodes = [s for s in scheduled if not s.is_prefill]
+        prefills = [s for s in scheduled if s.is_prefill]
+    else:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+    f = {k: [] for k in FLAT_FIELDS}
+    for group in ((prefills, decodes) if mode == "prefills_first" else (decodes, prefills)):
+        for s in group:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            if group is prefills:
+                f["prefill_query_starts"].append(len(f["input_ids"]))
+                f["prefill_query_lens"].append(n)
+                f["prefill_context_lens"].append(n if mode == "context_is_chunk" else start + n)
+            for pos in range(start, start + n):
+                f["input_ids"].append(seq.token_ids[pos])
+                f["positions"].append(pos - start if mode == "positions_from_zero" else pos)
+                slot = seq.block_table[pos // bs] * bs + pos % bs
+                cached = pos < seq.num_cached_tokens and mode != "write_cached"
+                f["slot_mapping"].append(-1 if cached else slot)
+            if start + n == seq.num_tokens or mode == "sample_every_chunk":
+                f["sample_rows"].append(len(f["input_ids"]) - 1)
+                f["sample_seq_ids"].append(seq.seq_id)
+    width = max((len(s.seq.block_table) for s in decodes), default=0)
+    f["decode_block_tables"] = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
+    f["decode_context_lens"] = [s.seq.num_computed_tokens + (0 if mode == "context_without_new" else 1)
+                                for s in decodes]
+    return f
+
+
+FLAT_VARIANTS = {
+    "prefills_first": "laying out the prefill chunks first; the decodes (one new token each) come first, so a "
+                      "decode kernel reads rows 0..num_decodes-1",
+    "scheduled_order": "keeping the scheduler's order; the decodes (one new token) come first, then the "
+                       "prefill chunks, so a decode kernel reads rows 0..num_decodes-1",
+    "is_prefill_groups": "grouping by is_prefill; group by num_new_tokens == 1: a prefill whose prompt hit the "
+                         "prefix cache up to its last token computes one token and is laid out as a decode",
+    "write_cached": "writing K/V for positions a prefix-cache block already holds; their slot is -1 "
+                    "(pos < num_cached_tokens): the shared block must not be written",
+    "positions_from_zero": "counting positions from the start of the chunk; a position is the token's index in "
+                           "its sequence (num_computed_tokens + i): RoPE and the slots depend on it",
+    "sample_every_chunk": "sampling every sequence; a chunk that stops in the middle of its prompt produces no "
+                          "token, only a chunk that reaches the sequence's last token is sampled",
+    "context_without_new": "leaving the new token out of a decode's context length; it attends over "
+                           "num_computed_tokens + 1 tokens, itself included",
+    "context_is_chunk": "giving a prefill chunk only its own length as context; it attends over the cached "
+                        "prefix too: context = num_computed_tokens + num_new_tokens",
+}
+
+
+def test_5_3_build_inputs_matches_the_input_builder(ex):
+    where = book(NB, "5.3")
+    counts = {"decodes": 0, "chunks": 0, "minus_one": 0, "one_token_prefill": 0}
+    verdict = Verdict(FLAT_VARIANTS)
+    for seed, num_blocks, bs, budget, max_seqs, max_prompt, max_new, steps in WORKLOADS:
+        rng = random.Random(seed + 300)
+        wl = Workload(seed, bs, max_prompt, max_new)
+        sched = make_sched(num_blocks, bs, budget, max_seqs)
+        builder = InputBuilder(bs)
+        for step in range(steps):
+            if rng.random() < 0.3 or not sched.has_unfinished():
+                wl.add_requests(sched, rng.randint(1, 3))
+            out = sched.schedule()
+            if out.scheduled:
+                want = engine_flat(out.scheduled, builder)
+                assert variant_flat(out.scheduled, bs, "engine") == want, "test bug: variant_flat drifted"
+                flat = ex.build_inputs(list(out.scheduled), bs)
+                got = {k: [list(r) for r in getattr(flat, k)] if k == "decode_block_tables" else list(getattr(flat, k))
+                       for k in FLAT_FIELDS}
+                batch = ", ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from {s.seq.num_computed_tokens} "
+                                  f"(of {s.seq.num_tokens}, cached {s.seq.num_cached_tokens})" for s in out.scheduled)
+                verdict.step(got, want, lambda mode, sc=out.scheduled, bs=bs: variant_flat(sc, bs, mode),
+                             first_difference(got, want), f"build_inputs at step {step} [batch: {batch}]")
+                counts["decodes"] += bool(want["decode_context_lens"])
+                counts["chunks"] += bool(want["prefill_query_lens"])
+                counts["minus_one"] += -1 in want["slot_mapping"]
+                counts["one_token_prefill"] += any(s.is_prefill and s.num_new_tokens == 1 for s in out.scheduled)
+            sched.postprocess(out, sampled_of(out, rng))
+        verdict.check(where)
+    assert all(counts.values()), f"the workloads should cover every layout case: {counts}"
+
+
+# ------------------------------------------------------------------------------------------------- 5.4
+def row_params(rng: random.Random, b: int) -> tuple[list, list, list, list]:
+    temps = [rng.choice([0.0, 0.5, 1.0, 1.7]) for _ in range(b)]
+    ks = [rng.choice([-1, -1, 1, 3, 20, 200]) for _ in range(b)]
+    ps = [rng.choice([1.0, 1.0, 0.95, 0.6, 0.2]) for _ in range(b)]
+    mins = [rng.choice([0.0, 0.0, 0.02, 0.1, 0.3]) for _ in range(b)]
+    return temps, ks, ps, mins
+
+
+def engine_filter(logits, temps, ks, ps, mins) -> torch.Tensor:
+    """The engine's filter chain, one row at a time (a filter that is off for a row is not applied)."""
+    t = torch.tensor(temps)
+    scaled = logits / torch.where(t == 0, 1.0, t)[:, None]
+    rows = []
+    for b in range(logits.shape[0]):
+        rows.append(apply_top_k_top_p_min_p(
+            scaled[b:b + 1], torch.tensor([ks[b]]) if ks[b] != -1 else None,
+            torch.tensor([ps[b]]) if ps[b] < 1.0 else None, torch.tensor([mins[b]]) if mins[b] > 0 else None)[0])
+    return torch.stack(rows)
+
+
+def variant_filter(logits, temps, ks, ps, mins, mode: str) -> torch.Tensor:
+    t = torch.tensor(temps)
+    div = torch.where(t == 0, 1.0, t)[:, None]
+    x = logits.clone() if mode == "temperature_last" else logits / div
+    rows = []
+    for b in range(x.shape[0]):
+        row = x[b]
+
+        def min_p(row, b=b):
+            if mins[b] == 0:
+                return row
+            probs = torch.softmax(row, -1)
+            limit = mins[b] if mode == "absolute_min_p" else mins[b] * probs.max()
+            return row.masked_fill(probs < limit, float("-inf"))
+
+        def top_k(row, b=b):
+            if ks[b] == -1:
+                return row
+            kth = row.sort(descending=True).values[ks[b] - 1] if ks[b] <= row.numel() else -float("inf")
+            return row.masked_fill(row < kth, float("-inf"))
+
+        def top_p(row, base=None, b=b):
+            if ps[b] == 1.0:
+                return row
+            values, order = (row if base is None else base).sort(descending=True)
+            probs = torch.softmax(values, -1)
+            if mode == "top_p_inclusive":
+                drop = probs.cumsum(-1) > ps[b]
+            else:
+                drop = probs.cumsum(-1) - probs >= ps[b]
+            drop[0] = False
+            mask = torch.zeros_like(drop).scatter_(0, order, drop)
+            return row.masked_fill(mask, float("-inf"))
+
+        if mode == "top_p_before_top_k":
+            row = top_k(top_p(min_p(row)))
+        elif mode == "min_p_last":
+            row = min_p(top_p(top_k(row)))
+        elif mode == "top_p_over_all":
+            row = top_p(top_k(min_p(row)), base=min_p(row))
+        else:
+            row = top_p(top_k(min_p(row)))
+        if mode == "temperature_last":
+            row = row / div[b]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+FILTER_VARIANTS = {
+    "top_p_before_top_k": "top-p before top-k; vLLM applies top-k first, then top-p over the renormalized "
+                          "probabilities of what top-k kept",
+    "min_p_last": "min-p after top-k and top-p (vLLM v0's order); vLLM v1 and nanoengine apply min-p right after "
+                  "the temperature",
+    "temperature_last": "applying the temperature after the filters; min-p and top-p depend on the scaled "
+                        "probabilities, so divide by the temperature first",
+    "absolute_min_p": "an absolute min-p threshold; the threshold is min_p times the row's LARGEST probability",
+    "top_p_inclusive": "dropping the token that crosses top_p; keep a token while the mass BEFORE it is below "
+                       "top_p, so the kept mass reaches top_p",
+    "top_p_over_all": "top-p over the probabilities before top-k; renormalize over what top-k kept (softmax of "
+                      "the kept logits) before summing the mass",
+}
+
+
+def compare_masked(got, want, what: str) -> str | None:
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return f"{what}: expected a tensor of shape {tuple(want.shape)}, got {getattr(got, 'shape', type(got))}"
+    kept_got, kept_want = torch.isfinite(got), torch.isfinite(want)
+    if not torch.equal(kept_got, kept_want):
+        b = int((kept_got != kept_want).any(-1).nonzero()[0])
+        return (f"{what}, row {b}: you keep {int(kept_got[b].sum())} tokens, the engine keeps "
+                f"{int(kept_want[b].sum())}")
+    if not torch.allclose(got[kept_want], want[kept_want], atol=1e-5, rtol=1e-5):
+        return f"{what}: the kept logits differ (max error {float((got - want)[kept_want].abs().max()):.3g})"
+    return None
+
+
+def test_5_4_filter_chain_matches_the_engine(ex):
+    where = book(NB, "5.4")
+    first, alive = None, list(FILTER_VARIANTS)
+    rng = random.Random(54)
+    gen = torch.Generator().manual_seed(54)
+    for trial in range(30):
+        B, V = rng.randint(1, 8), rng.choice([50, 300, 1000])
+        logits = torch.randn(B, V, generator=gen) * rng.choice([1.0, 3.0])
+        temps, ks, ps, mins = row_params(rng, B)
+        before = logits.clone()
+        got = ex.process_logits(logits, temps, ks, ps, mins)
+        if not torch.equal(logits, before):
+            raise AssertionError(f"process_logits changed its input logits in place; work on a copy {where}")
+        want = engine_filter(logits, temps, ks, ps, mins)
+        params = f"[temperatures {temps}, top_k {ks}, top_p {ps}, min_p {mins}]"
+        diff = compare_masked(got, want, f"process_logits, trial {trial}")
+        if first is None and diff is not None:
+            first = f"{diff}. {params}"
+        if first is not None:  # keep the wrong variants that agree with yours on every trial from here
+            alive = [m for m in alive if compare_masked(got, variant_filter(logits, temps, ks, ps, mins, m), "") is None]
+    if first is not None:
+        raise AssertionError(first + "".join(f" This looks like {FILTER_VARIANTS[m]}." for m in alive[:2]) + f" {where}")
+    # the order matters: probabilities 0.4, 0.2 and a tail of 0.1s, top_k=2, top_p=0.55
+    logits = torch.tensor([[0.4, 0.2, 0.1, 0.1, 0.1, 0.1]]).log()
+    want = engine_filter(logits, [1.0], [2], [0.55], [0.0])
+    diff = compare_masked(ex.process_logits(logits, [1.0], [2], [0.55], [0.0]), want, "top_k=2, top_p=0.55")
+    if diff is not None:
+        raise AssertionError(f"{diff}: top-k first keeps tokens 0 and 1, renormalized 2/3 and 1/3; top-p=0.55 "
+                             f"over those keeps token 0 alone (top-p first would keep both) {where}")
+
+
+# ------------------------------------------------------------------------------------------------- 5.5
+def batches(seed: int) -> list[tuple]:
+    """A run of sampler calls: mixed batches, an all-greedy one, seeded rows (with their seeds)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(8):
+        B = rng.randint(1, 6)
+        logits = torch.randn(B, 400, generator=gen) * 2
+        temps, ks, ps, mins = row_params(rng, B)
+        if k == 3:
+            temps = [0.0] * B
+        seeds = [rng.choice([None, None, 1, 2, 3]) for _ in range(B)]
+        out.append((logits, temps, ks, ps, mins, seeds))
+    return out
+
+
+def engine_tokens(calls) -> list[list[int]]:
+    sampler = Sampler(seed=0)
+    gens: dict[int, torch.Generator] = {}
+    result = []
+    for logits, temps, ks, ps, mins, seeds in calls:
+        V = logits.shape[1]
+        g = [None if s is None or t == 0 else gens.setdefault(s, torch.Generator().manual_seed(s))
+             for s, t in zip(seeds, temps)]
+        batch = SamplingBatch(
+            temperatures=torch.tensor(temps, dtype=torch.float32),
+            top_ks=torch.tensor([k if k > 0 else V for k in ks]) if any(k > 0 for k in ks) else None,
+            top_ps=torch.tensor(ps, dtype=torch.float32) if any(p < 1 for p in ps) else None,
+            min_ps=torch.tensor(mins, dtype=torch.float32) if any(m > 0 for m in mins) else None,
+            generators=g, all_greedy=all(t == 0 for t in temps))
+        result.append(sampler(logits, batch).tolist())
+    return result
+
+
+def learner_tokens(sample, calls, mode: str = "yours") -> list[list[int]]:
+    shared = torch.Generator().manual_seed(0)
+    gens: dict[int, torch.Generator] = {}
+    result = []
+    for logits, temps, ks, ps, mins, seeds in calls:
+        g = [None if s is None or t == 0 else gens.setdefault(s, torch.Generator().manual_seed(s))
+             for s, t in zip(seeds, temps)]
+        if mode == "shared_only":
+            g = [None] * len(g)
+        if mode == "greedy_draws" and all(t == 0 for t in temps):
+            torch.rand(len(temps), generator=shared)
+        result.append([int(t) for t in sample(logits, temps, ks, ps, mins, g, shared)])
+    return result
+
+
+SAMPLE_VARIANTS = {
+    "shared_only": "sampling without the request's own generator; a row with a seed draws its u from "
+                   "generators[b], so its tokens do not depend on the other requests in the batch",
+    "greedy_draws": "drawing random numbers in an all-greedy batch; return the argmax and draw nothing (the "
+                    "shared generator's next draws would shift)",
+}
+
+
+def test_5_5_sample_matches_the_engine_sampler(ex):
+    where = book(NB, "5.5")
+    for seed in (55, 56, 57):
+        calls = batches(seed)
+        got = learner_tokens(ex.sample, calls)
+        want = engine_tokens(calls)
+        if got != want:
+            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            hint = ""
+            reference = learner_tokens  # the reference answer (engine rules) under each wrong variant
+
+            def engine_rule_sample(logits, temps, ks, ps, mins, gens, shared):
+                t = torch.tensor(temps)
+                if all(x == 0 for x in temps):
+                    return logits.argmax(-1).tolist()
+                cdf = torch.softmax(engine_filter(logits, temps, ks, ps, mins), -1).cumsum(-1)
+                u = torch.rand(len(temps), generator=shared)
+                for b, gb in enumerate(gens):
+                    if gb is not None:
+                        u[b] = torch.rand((), generator=gb).item()
+                tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+                return torch.where(t == 0, logits.argmax(-1), tok).tolist()
+
+            for mode, what in SAMPLE_VARIANTS.items():
+                if reference(engine_rule_sample, calls, mode) == got:
+                    hint = f" This looks like {what}."
+                    break
+            logits, temps, ks, ps, mins, seeds = calls[k]
+            raise AssertionError(f"sample, call {k} of run {seed}: yours {got[k]}, the engine's Sampler {want[k]}.{hint}"
+                                 f" [temperatures {temps}, top_k {ks}, top_p {ps}, min_p {mins}, seeds {seeds}] {where}")
+    # a seeded request samples the same tokens alone and in any batch
+    gen = torch.Generator().manual_seed(5)
+    alone, batched = [], []
+    g1, g2 = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    s1, s2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    for _ in range(6):
+        row = torch.randn(1, 300, generator=gen)
+        others = torch.randn(3, 300, generator=gen)
+        alone += ex.sample(row, [0.9], [-1], [1.0], [0.0], [g1], s1)
+        mixed = torch.cat([others[:2], row, others[2:]])
+        batched.append(ex.sample(mixed, [1.0, 0.7, 0.9, 1.2], [-1, 5, -1, -1], [1.0, 1.0, 1.0, 0.8],
+                                 [0.0] * 4, [None, None, g2, None], s2)[2])
+    assert_equal(batched, alone, "a seeded request's tokens in a batch of 4 vs alone (they must not depend on "
+                 "the batch)", where)
