@@ -131,3 +131,20 @@ def test_backend_step_equals_dense_attention(dtype, num_heads, num_kv_heads, hea
     written = [i for i, s in enumerate(b.slots) if i != row]
     flat_k = b.attn.k_cache.view(num_kv_heads, -1, head_dim)
     assert torch.equal(flat_k[:, torch.tensor(b.slots, device=DEVICE)[written]].transpose(0, 1), b.k[written])
+
+
+def test_kernels_imported_before_the_interpreter_was_switched_on_are_a_clear_error():
+    """triton decides at a kernel's definition whether it is interpreted: a CPU process that imported the
+    kernels before setting TRITON_INTERPRET=1 gets an error naming the fix, not a crash inside triton."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only rule")
+    code = ("import os; import nanoengine.kernels.triton_store; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from nanoengine.attention import get_backend\n"
+            "try:\n    get_backend('triton')(4, 2, 32, 0.1)\nexcept RuntimeError as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "imported before TRITON_INTERPRET=1 was set" in out.stdout, out.stdout + out.stderr

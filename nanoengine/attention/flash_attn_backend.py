@@ -44,11 +44,11 @@ class FlashAttnPlan(AttentionPlan):
     """What every layer of one step reuses: flash-attn's int32 lengths and tables."""
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32
-    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32: chunk starts in the prefill rows
-    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32: context starts, as if packed
-    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
-    max_seqlen_q: int
+    max_seqlen_q: int  # 0: no prefill in this step (then the tensors below are None)
     max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor | None = None  # [num_prefills + 1] int32: chunk starts in the prefill rows
+    cu_seqlens_k: torch.Tensor | None = None  # [num_prefills + 1] int32: context starts, as if packed
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int32
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -81,11 +81,13 @@ class FlashAttnAttention(TorchAttention):
             return torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
         nd = meta.num_decode_seqs
-        return FlashAttnPlan(
-            meta.decode_block_tables.int() if nd else None, meta.decode_context_lens.int() if nd else None,
-            cumulative(meta.prefill_query_lens), cumulative(meta.prefill_context_lens),
-            padded_tables(meta.prefill_block_tables, device).int(),
-            max(meta.prefill_query_lens, default=0), max(meta.prefill_context_lens, default=0))
+        p = FlashAttnPlan(meta.decode_block_tables.int() if nd else None,
+                          meta.decode_context_lens.int() if nd else None,
+                          max(meta.prefill_query_lens, default=0), max(meta.prefill_context_lens, default=0))
+        if p.max_seqlen_q:
+            p.cu_seqlens_q, p.cu_seqlens_k = cumulative(meta.prefill_query_lens), cumulative(meta.prefill_context_lens)
+            p.prefill_block_tables = padded_tables(meta.prefill_block_tables, device).int()
+        return p
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]

@@ -29,17 +29,15 @@ from nanoengine.attention.torch_backend import TorchAttention
 class TritonPlan(AttentionPlan):
     """What every layer of one step reuses."""
     decode_num_splits: int  # split-K programs per (decode sequence, kv head)
-    prefill_query_starts: torch.Tensor  # [num_prefills] int64: first row of each chunk in the flat batch
-    prefill_query_lens: torch.Tensor  # [num_prefills] int64
-    prefill_context_lens: torch.Tensor  # [num_prefills] int64: cached prefix + new tokens
-    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int64, padded with block 0
-    prefill_max_query_len: int
+    prefill_max_query_len: int  # 0: no prefill in this step (then the tensors below are None)
+    prefill_query_starts: torch.Tensor | None = None  # [num_prefills] int64: each chunk's first row in the batch
+    prefill_query_lens: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64: cached prefix + new tokens
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64, padded with block 0
 
 
 def padded_tables(tables: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One [len(tables), longest] int64 tensor from ragged block tables, padded with 0."""
-    if not tables:
-        return torch.zeros(0, 1, dtype=torch.int64, device=device)
+    """One [len(tables), longest] int64 tensor from ragged block tables (at least one), padded with 0."""
     return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device)
 
 
@@ -68,12 +66,15 @@ class TritonAttention(TorchAttention):
             max_context = meta.decode_block_tables.shape[1] * block_size  # an upper bound, known on the host
             splits = choose_num_splits(meta.num_decode_seqs, num_kv_heads, max_context, device)
 
+        if not meta.prefill_query_lens:  # a pure decode step (most steps): nothing to copy to the device
+            return TritonPlan(splits, 0)
+
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        return TritonPlan(splits, ints(meta.prefill_query_starts), ints(meta.prefill_query_lens),
-                          ints(meta.prefill_context_lens), padded_tables(meta.prefill_block_tables, device),
-                          max(meta.prefill_query_lens, default=0))
+        return TritonPlan(splits, max(meta.prefill_query_lens), ints(meta.prefill_query_starts),
+                          ints(meta.prefill_query_lens), ints(meta.prefill_context_lens),
+                          padded_tables(meta.prefill_block_tables, device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
