@@ -13,6 +13,11 @@ Attention backend and block size ('auto'/None are picked, an explicit choice is 
 - cuda: `flash_attn` if it imports and can serve the config (fp16/bf16; block size unset or a multiple of
   256), else `triton`, else `torch`; block size 256 for flash_attn, else 16.
 `triton` takes any power-of-two block size; `torch` and `cpu` any positive one.
+
+Per-step overhead (chapter 06), decided here once: decode steps replay CUDA graphs on CUDA unless
+enforce_eager=True (or the backend is `torch`, whose store syncs with the host: eager, with a warning); on
+CPU they run eagerly, or through the graphs' CPU stand-in with graph_stand_in=True. torch_compile compiles the
+small fused ops and the sampler (default: on CUDA only).
 """
 
 from __future__ import annotations
@@ -49,9 +54,15 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
-    # vLLM's switch for CUDA graphs. This version always runs the model eagerly (CUDA graphs are chapter 06's
-    # next step), so both values run the same code today; the default keeps working on every device.
+    # vLLM's switch for CUDA graphs (chapter 06): on CUDA, decode steps replay graphs captured per batch-size
+    # bucket unless enforce_eager=True. On CPU there are no graphs: the model runs eagerly (see graph_stand_in).
     enforce_eager: bool = False
+    # CPU only: run decode steps through the CPU stand-in of CUDA graphs (the same buckets, padding and static
+    # buffers; "replay" calls the recorded forward on them), so chapter 06 and the tests run the graph logic
+    graph_stand_in: bool = False
+    # torch.compile on the small fused ops (RMSNorm with residual add, SiLU-and-mul, rotary) and the sampler;
+    # None = on CUDA only (on CPU inductor made these ops 1.5-6x slower; the C++ kernels fuse them there)
+    torch_compile: bool | None = None
     prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -124,6 +135,7 @@ class EngineConfig:
                 raise ValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
                                  "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")
             self.prepack_weights = packable
+        self._resolve_graphs_and_compile()
         model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_max
@@ -156,6 +168,35 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
                              f"{torch.cuda.device_count()} CUDA device(s) are visible; use tensor_parallel_size <= "
                              f"{torch.cuda.device_count()} or device='cpu' (gloo, for learning and testing)")
+
+    def _resolve_graphs_and_compile(self) -> None:
+        """CUDA graphs (or their CPU stand-in) and torch.compile, decided once, here (chapter 06)."""
+        if self.graph_stand_in and self.device != "cpu":
+            raise ValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA the "
+                             "engine captures real graphs (leave graph_stand_in=False; enforce_eager=True turns "
+                             "them off)")
+        if self.graph_stand_in and self.enforce_eager:
+            raise ValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
+                             "enforce_eager=True forbids graphs; pick one")
+        if self.device == "cuda" and not self.enforce_eager and self.attention_backend == "torch":
+            warnings.warn("nanoengine: attention_backend='torch' cannot run inside a CUDA graph (its store decides "
+                          "on the host which slots to skip), so decode steps run eagerly; use attention_backend="
+                          "'triton' for CUDA graphs, or enforce_eager=True to say so", stacklevel=4)
+        if self.torch_compile is None:
+            self.torch_compile = self.device == "cuda"
+        elif self.torch_compile and self.attention_backend == "cpu":
+            raise ValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' already "
+                             "runs as fused C++ kernels; use attention_backend='torch' to compile them instead, "
+                             "or leave torch_compile unset")
+
+    @property
+    def decode_graphs(self) -> str | None:
+        """How decode steps run after resolve(): 'cuda' (captured CUDA graphs), 'stand_in' (their CPU
+        stand-in) or None (eagerly)."""
+        if self.graph_stand_in:
+            return "stand_in"
+        graphs = self.device == "cuda" and not self.enforce_eager and self.attention_backend != "torch"
+        return "cuda" if graphs else None
 
     @property
     def dist_backend(self) -> str:

@@ -2,14 +2,18 @@
 tokens. Chapter 03.
 
 Building: the model class from config.json's `architectures`, with the attention backend and the compiled
-kernels the config chose (`nanoengine.kernels.for_config`), then the weights, then the KV cache sized from
-memory. One step (`run`): the backend plans the step's attention once, the model runs over the flat batch,
-logits are computed only for the sampled rows (sequences that reach their last token), and the sampler
-draws a token for each. The inputs come from `engine/inputs.py`.
+kernels the config chose (`nanoengine.kernels.for_config`: the C++ CPU kernels, or torch.compile'd ops), then
+the weights, then the KV cache sized from memory, then the decode graphs (chapter 06, `engine/graphs.py`).
+On CUDA the KV cache gets what is left of `gpu_memory_utilization` after a warm-up forward at the largest
+batch (weights + peak activations) and the graphs' memory (measured by capturing the largest bucket once).
+One step (`run`): a decode-only step that fits a graph bucket replays its graph; any other step plans the
+attention once and runs the model eagerly; logits are computed only for the sampled rows (sequences that reach
+their last token), and the sampler draws a token for each. The inputs come from `engine/inputs.py`.
 
 Under tensor parallelism (chapter 07) there is one ModelRunner per rank, each with its shard of the model
 and of the KV cache (its own KV heads). Rank 0's runner starts the others (`distributed.Workers`) and sends
-each step to them; every rank then runs `execute` in lockstep, and rank 0 alone samples.
+each step to them; every rank then runs `execute` in lockstep, and rank 0 alone samples. Each rank captures
+and replays its own graphs (its collectives inside them), deciding graph or eager from the same step.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import numpy as np
 import torch
 
 from nanoengine import kernels
-from nanoengine.attention import get_backend
+from nanoengine.attention import AttentionMetadata, get_backend
 from nanoengine.config import EngineConfig
 from nanoengine.distributed.group import TPGroup
 from nanoengine.distributed.workers import Workers, call_on
+from nanoengine.engine.graphs import DecodeGraphs
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.linear import prepack_weights
@@ -78,8 +83,13 @@ class ModelRunner:
             self.num_layers = hf.num_hidden_layers
             self.num_kv_heads = hf_config.num_kv_heads(hf) // self.tp.size  # this rank's KV heads
             self.head_dim = hf_config.head_dim(hf)
+            self.graphs: DecodeGraphs | None = None
+            self.graph_memory_bytes = 0  # the graph pool, measured before sizing the KV cache (CUDA)
             self.num_blocks = self.allocate_kv_cache()
-        self.sampler = Sampler(config.seed)
+            if config.decode_graphs:
+                self.graphs = self.make_graphs()
+                self.graphs.capture()
+        self.sampler = Sampler(config.seed, compile=config.torch_compile)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
 
     def lockstep(self):
@@ -123,8 +133,7 @@ class ModelRunner:
             if cfg.kv_cache_memory_gb is not None:
                 budget = cfg.kv_cache_memory_gb * 2**30
             elif self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - (1 - cfg.gpu_memory_utilization) * total
+                budget = self.cuda_kv_budget()
             else:
                 budget = CPU_KV_CACHE_GB * 2**30 / self.tp.size  # the ranks share the host's memory
             num_blocks = int(budget // self.bytes_per_block)
@@ -136,16 +145,82 @@ class ModelRunner:
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
             if self.tp.size > 1:  # every rank must hold the same blocks: the smallest pool wins
                 num_blocks = int(self.tp.all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
+        self.bind_kv_cache(num_blocks)
+        return num_blocks
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
         layer_shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache_shape = layer_shape  # one layer's K (or V) cache, in the backend's layout
         self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_cache)
-        return num_blocks
+
+    def cuda_kv_budget(self) -> float:
+        """Bytes the KV cache may take on CUDA: gpu_memory_utilization of the GPU, less what is not torch's
+        (CUDA context, NCCL, other processes), the weights and peak activations of a warm-up forward at the
+        largest batch, and the graphs' pool."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.warm_up()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)  # weights + the warm-up's activations
+        free, total = torch.cuda.mem_get_info(dev)
+        not_torch = total - free - torch.cuda.memory_reserved(dev)
+        if self.config.decode_graphs == "cuda":
+            self.graph_memory_bytes = self.measure_graph_memory()
+        return self.config.gpu_memory_utilization * total - not_torch - peak - self.graph_memory_bytes
+
+    def warm_up(self) -> None:
+        """One forward of max_num_batched_tokens prompt tokens (chunks of at most max_model_len, no KV cache
+        bound yet, so attention runs over the new tokens only) and the logits of max_num_seqs rows: the
+        largest activations a step can have."""
+        cfg = self.config
+        total, most = cfg.max_num_batched_tokens, cfg.max_model_len
+        lens = [most] * (total // most) + ([total % most] if total % most else [])
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+                                 num_decode_seqs=0, decode_block_tables=None, decode_context_lens=None,
+                                 prefill_query_starts=starts, prefill_query_lens=lens, prefill_context_lens=lens,
+                                 prefill_block_tables=[torch.zeros(0, dtype=torch.int64, device=dev)] * len(lens),
+                                 block_size=self.block_size)
+        ids = torch.zeros(total, dtype=torch.int64, device=dev)  # [total]
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])  # [total]
+        rows = [i % total for i in range(cfg.max_num_seqs)]
+        self.execute(ModelInput(ids, positions, meta, [], []), rows)
+
+    def measure_graph_memory(self) -> int:
+        """Bytes the graphs' pool takes: the largest bucket captured once over a one-block KV cache (the
+        smaller buckets reuse its pool), then released."""
+        dev = self.device
+        self.bind_kv_cache(1)
+        before = torch.cuda.memory_reserved(dev)
+        graphs = self.make_graphs()
+        graphs.capture(graphs.buckets[-1:])
+        torch.cuda.synchronize(dev)
+        used = torch.cuda.memory_reserved(dev) - before
+        del graphs  # its graph and pool go; the real KV cache replaces the one-block one
+        torch.cuda.empty_cache()
+        return used
+
+    def make_graphs(self) -> DecodeGraphs:
+        cfg = self.config
+        return DecodeGraphs(self.eager_forward, cfg.decode_graphs, cfg.max_num_seqs,
+                            -(-cfg.max_model_len // self.block_size), cfg.hf_config.hidden_size, self.block_size,
+                            self.dtype, self.device)
 
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
-        """Plan the step's attention once, then run the model: hidden states [num_tokens, hidden]."""
+        """Hidden states [num_tokens, hidden]: by graph replay for a decode step that fits a bucket, else
+        eagerly."""
+        if self.graphs is not None and self.graphs.can_replay(inp):
+            return self.graphs.replay(inp)
+        return self.eager_forward(inp)
+
+    def eager_forward(self, inp: ModelInput) -> torch.Tensor:
+        """Plan the step's attention once, then run the model: hidden states [num_tokens, hidden] (what a
+        graph captures)."""
         inp.attn.plan = self.attn_backend.plan(inp.attn, self.kv_cache_shape)
         return self.model(inp.input_ids, inp.positions, inp.attn)
 

@@ -46,6 +46,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kvh, h = task % kvh, L = lens[b];
       const int64_t* table = tables + b * max_blocks;
+      if (L == 0) {  // no context (a CUDA-graph padding row): reads nothing, writes zeros
+        for (int64_t i = 0; i < group * D; ++i) op[(b * num_heads + h * group) * D + i] = static_cast<scalar_t>(0.f);
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g)  // the group's query heads, pre-scaled, in float32
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_float(qp[(b * num_heads + h * group + g) * D + d]) * fscale;

@@ -1,0 +1,251 @@
+"""Decode graphs (chapter 06) through the CPU stand-in, which takes the CUDA graphs' code path: bucket choice,
+padding (slot -1, context length 0), the static-buffer copies and stale block-table columns checked against
+oracles built from the sequences themselves; then the engine with the stand-in == the eager engine, token for
+token (tiny-qwen3, float32), through block-table growth, batch changes, preemption and re-admission, and
+nano-vllm's two failure modes: a preempted sequence re-prefilled and then taken for a decode, and a graph
+replayed with a stale block table after a batch shrank or after a sequence was preempted and came back.
+Marked `gpu`: real CUDA graphs == eager on CUDA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.engine.graphs import DecodeGraphs, batch_buckets
+from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.scheduler import ScheduledSeq
+from nanoengine.engine.sequence import Sequence
+
+pytestmark = pytest.mark.xdist_group("tiny")
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 4, "1, 2, 3,", "Once upon a time",
+           "A paged KV cache", "x " * 30]
+
+
+def test_buckets_cover_every_batch_up_to_max_num_seqs():
+    assert batch_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]  # max_num_seqs is always a bucket
+    assert batch_buckets(3) == [1, 2, 3] and batch_buckets(1) == [1]
+    assert batch_buckets(4096)[-2:] == [496, 512]  # capped at 512
+    graphs = stand_in(max_num_seqs=20)
+    assert [graphs.bucket_for(n) for n in (1, 3, 5, 8, 9, 16, 17, 20, 21)] == [1, 4, 8, 8, 16, 16, 20, 20, None]
+
+
+def recording_forward(calls: list):
+    """A model stand-in: records what it is called on and returns rows that say which token they came from."""
+    def forward(inp):
+        calls.append(inp)
+        return inp.input_ids[:, None].float() * torch.ones(1, 3) + inp.positions[:, None]  # [bs, 3]
+    return forward
+
+
+def stand_in(max_num_seqs: int = 20, max_blocks: int = 12, calls: list | None = None) -> DecodeGraphs:
+    g = DecodeGraphs(recording_forward([] if calls is None else calls), "stand_in", max_num_seqs, max_blocks,
+                     hidden_size=3, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    g.capture()
+    return g
+
+
+def check_static_buffers(graphs: DecodeGraphs, seqs: list[Sequence], bs: int, block_size: int) -> None:
+    """The static buffers of a bucket-`bs` replay against the sequences themselves: each row's token, position,
+    slot, context and whole block table, then padding rows (slot -1, context 0, no block), and no block id past
+    the step's widest table in any row."""
+    n = len(seqs)
+    pos = [s.num_computed_tokens for s in seqs]
+    assert graphs.input_ids[:bs].tolist() == [s.token_ids[p] for s, p in zip(seqs, pos)] + [0] * (bs - n)
+    assert graphs.positions[:bs].tolist() == pos + [0] * (bs - n)
+    slots = [-1 if p < s.num_cached_tokens else s.block_table[p // block_size] * block_size + p % block_size
+             for s, p in zip(seqs, pos)]
+    assert graphs.slot_mapping[:bs].tolist() == slots + [-1] * (bs - n)
+    assert graphs.context_lens[:bs].tolist() == [p + 1 for p in pos] + [0] * (bs - n)
+    want = torch.zeros(bs, graphs.max_blocks, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        want[i, :len(s.block_table)] = torch.tensor(s.block_table)
+    assert torch.equal(graphs.block_tables[:bs], want), "a stale block id in the static block table"
+    width = max(len(s.block_table) for s in seqs)
+    assert not graphs.block_tables[:, width:].any(), "a stale column in a row another bucket reads later"
+
+
+def test_stand_in_pads_copies_and_clears_stale_columns():
+    """Random decode batches that grow, shrink, change members, grow tables and reset them (preemption): every
+    replay finds exactly its step in the static buffers, calls the recorded forward on those same buffers,
+    and returns the rows of its own sequences."""
+    rng = random.Random(0)
+    bs_ = 4
+    calls: list = []
+    graphs = stand_in(max_blocks=32, calls=calls)
+    captured = {inp.num_tokens: inp for inp in calls}  # bucket -> the static input its graph recorded
+    builder = InputBuilder(bs_)
+    seqs = []
+    for i in range(24):
+        n = rng.randint(1, 40)
+        s = Sequence(list(range(1000 + 100 * i, 1000 + 100 * i + n)), SamplingParams(), bs_)
+        s.block_table = rng.sample(range(500), -(-n // bs_))
+        s.num_computed_tokens = n - 1
+        seqs.append(s)
+    seen = set()
+    for step in range(150):
+        batch = sorted(rng.sample(seqs, rng.choice([1, 2, 3, 5, 9, 16, 20])), key=lambda s: s.seq_id)
+        for s in batch:
+            if rng.random() < 0.3:  # one more token; a new block when it crosses a block boundary
+                s.token_ids.append(7)
+                s.num_computed_tokens += 1
+                if len(s.block_table) * bs_ < s.num_tokens:
+                    s.block_table.append(rng.randrange(500))
+            if rng.random() < 0.03:  # preempted and re-admitted: an emptied table refilled with other blocks
+                s.block_table[:] = rng.sample(range(500), len(s.block_table))
+                s.num_table_resets += 1
+        inp = builder.build([ScheduledSeq(s, 1, False) for s in batch])
+        assert graphs.can_replay(inp)
+        calls.clear()
+        out = graphs.replay(inp)
+        bs = graphs.bucket_for(len(batch))
+        seen.add(bs)
+        check_static_buffers(graphs, batch, bs, bs_)
+        (called,) = calls  # replay called the forward recorded for this bucket, on the same static buffers
+        assert called is captured[bs]
+        assert called.attn.decode_block_tables.data_ptr() == graphs.block_tables.data_ptr()
+        want = torch.tensor([s.token_ids[s.num_computed_tokens] for s in batch]).float()[:, None] + inp.positions[:, None]
+        assert torch.equal(out, want.expand(-1, 3)), f"step {step}: rows of other sequences"
+    assert seen == {1, 2, 4, 8, 16, 20}
+
+
+def test_out_of_range_steps_run_eagerly():
+    graphs = stand_in(max_num_seqs=4)
+    seqs = [Sequence(list(range(9)), SamplingParams(), 4) for _ in range(6)]
+    for s in seqs:
+        s.block_table, s.num_computed_tokens = [1, 2, 3], 8
+    builder = InputBuilder(4)
+    assert graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:4]]))
+    assert not graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:5]]))  # > largest bucket
+    prompt = Sequence(list(range(9)), SamplingParams(), 4)
+    prompt.block_table = [4, 5, 6]
+    mixed = builder.build([ScheduledSeq(seqs[0], 1, False), ScheduledSeq(prompt, 9, True)])
+    assert not graphs.can_replay(mixed)  # a prefill chunk in the step
+    wide = Sequence(list(range(60)), SamplingParams(), 4)
+    wide.block_table, wide.num_computed_tokens = list(range(15)), 59
+    assert not graphs.can_replay(builder.build([ScheduledSeq(wide, 1, False)]))  # wider than max_model_len allows
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def generate(batches: list[list[str]], params, checked: bool = False, **options) -> tuple[list, LLM]:
+    """Greedy tokens of each batch in turn on one engine (tiny-qwen3, float32). With `checked`, every replay's
+    static buffers are checked against the step's sequences (their true tables, contexts, slots)."""
+    llm = LLM("tiny-qwen3", dtype="float32", block_size=4, max_num_seqs=8, max_model_len=256, **options)
+    runner = llm.engine.runner
+    if checked:
+        step = {}
+        run, load = runner.run, runner.graphs.load
+
+        def run_and_remember(inp):
+            step["seqs"] = list(inp.sample_seqs)  # a decode-only step samples every row, in order
+            return run(inp)
+
+        def load_and_check(inp):
+            bs = load(inp)
+            check_static_buffers(runner.graphs, step["seqs"], bs, llm.config.block_size)
+            return bs
+
+        runner.run, runner.graphs.load = run_and_remember, load_and_check  # instrumentation of this test only
+    tokens = []
+    for prompts in batches:
+        p = params if isinstance(params, SamplingParams) else [params[i % len(params)] for i in range(len(prompts))]
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    return tokens, llm
+
+
+def test_stand_in_equals_eager_through_growth_and_batch_changes():
+    """Six prompts with different output lengths: the batch shrinks 6 -> 1 through buckets 8, 4, 2, 1 while
+    the tables grow by a block every 4 tokens; then a second batch reuses the engine."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 17, 9, 24, 12)]
+    batches = [PROMPTS, PROMPTS[:3]]
+    eager, _ = generate(batches, params)
+    graphed, llm = generate(batches, params, checked=True, graph_stand_in=True)
+    assert graphed == eager
+    assert llm.config.decode_graphs == "stand_in"
+    assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
+
+
+def test_stand_in_equals_eager_through_preemption_and_readmission():
+    """A 28-block pool for six growing sequences: preempted sequences come back through the prefix cache,
+    recomputing only their last token (a one-token step of a re-admitted sequence, with a new table), which is
+    replayed as a decode with its new table; and a re-prefill of more tokens runs eagerly. nano-vllm's two
+    failure modes: the re-prefilled sequence taken for a decode with its old state, and a replay reading a stale
+    table after the batch shrank or a sequence came back (checked against the sequences at every replay)."""
+    options = dict(num_kvcache_blocks=28)
+    eager, _ = generate([PROMPTS], GREEDY, **options)
+    reference, _ = generate([PROMPTS], GREEDY)  # no preemption at all
+    graphed, llm = generate([PROMPTS], GREEDY, checked=True, graph_stand_in=True, **options)
+    assert graphed == eager == reference
+    stats = llm.engine.stats
+    assert sum(s.num_preempted for s in stats) >= 2, "the pool was meant to force preemptions"
+    replayed = sum(llm.engine.runner.graphs.replays.values())
+    decode_only = sum(1 for s in stats if s.prefill_tokens == 0)
+    assert replayed == decode_only and replayed < len(stats)  # steps with a prefill chunk ran eagerly
+
+
+def test_stand_in_with_the_cpu_kernels_and_padding_rows(cpu_kernels):
+    """The C++ decode kernel on padding rows (context 0) writes zeros and reads nothing (batch 3 -> bucket 4)."""
+    eager, _ = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu")
+    graphed, llm = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu", graph_stand_in=True)
+    assert graphed == eager and 4 in llm.engine.runner.graphs.replays
+
+
+def test_graph_options_are_decided_once_in_the_config():
+    from nanoengine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"graph_stand_in=True runs decode.*enforce_eager=True forbids"):
+        EngineConfig(device="cpu", graph_stand_in=True, enforce_eager=True).resolve(tiny_hf_config())
+    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).decode_graphs is None  # no graphs on CPU
+    assert EngineConfig(device="cpu", graph_stand_in=True).resolve(tiny_hf_config()).decode_graphs == "stand_in"
+    with pytest.raises(ValueError, match=r"torch_compile=True compiles the ops that attention_backend='cpu'"):
+        EngineConfig(device="cpu", attention_backend="cpu", torch_compile=True).resolve(tiny_hf_config())
+    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).torch_compile is False  # slower on CPU
+
+
+def test_graph_options_on_cuda(monkeypatch):
+    """On a (pretended) CUDA machine: graphs unless enforce_eager, never with the torch backend (its store syncs
+    with the host: eager, with a warning), no stand-in; torch.compile on by default."""
+    from nanoengine.config import EngineConfig
+    from nanoengine.kernels import triton_support
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_support, "problem", lambda device: None)
+    cuda = dict(device="cuda", dtype="float32", attention_backend="triton")
+    cfg = EngineConfig(**cuda).resolve(tiny_hf_config())
+    assert (cfg.decode_graphs, cfg.torch_compile) == ("cuda", True)
+    assert EngineConfig(**cuda, enforce_eager=True).resolve(tiny_hf_config()).decode_graphs is None
+    assert EngineConfig(**cuda, torch_compile=False).resolve(tiny_hf_config()).torch_compile is False
+    with pytest.warns(UserWarning, match=r"'torch' cannot run inside a CUDA graph.*decode steps run eagerly"):
+        cfg = EngineConfig(device="cuda", attention_backend="torch").resolve(tiny_hf_config())
+    assert cfg.decode_graphs is None
+    with pytest.raises(ValueError, match=r"graph_stand_in=True is the CPU stand-in.*on CUDA the engine captures"):
+        EngineConfig(**cuda, graph_stand_in=True).resolve(tiny_hf_config())
+
+
+def tiny_hf_config():
+    from transformers import Qwen3Config
+
+    from nanoengine import assets
+
+    return Qwen3Config(**assets.TINY_QWEN3_DIMS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_equal_eager_on_cuda(dtype):
+    """Real CUDA graphs (and torch.compile'd ops, the CUDA default) == eager, through batch changes and
+    preemption; the graphs were replayed in several buckets."""
+    options = dict(device="cuda", dtype=dtype, num_kvcache_blocks=28)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 17, 9, 24, 12)]
+    eager, _ = generate([PROMPTS], params, enforce_eager=True, torch_compile=False, **options)
+    graphed, llm = generate([PROMPTS], params, **options)
+    assert llm.config.decode_graphs == "cuda" and len(llm.engine.runner.graphs.replays) >= 3
+    if dtype == "float32":
+        assert graphed == eager
+    else:  # bf16: compiled ops round differently; most tokens agree
+        same = sum(a == b for g, e in zip(graphed, eager) for a, b in zip(g, e))
+        assert same >= 0.9 * sum(map(len, eager))
