@@ -1,7 +1,7 @@
 """RMSNorm, computed in float32 like Hugging Face's Llama/Qwen3 (then cast back). Chapter 02.
 
-Built with `kernels` (the compiled CPU extension, chapter 06), it runs one fused pass instead of the eager ops,
-with the same rounding.
+Built with `kernels` (chapter 06: the compiled CPU extension, or the same ops through torch.compile), it runs
+one fused pass instead of the eager ops.
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
+    """x * rsqrt(mean(x^2) + eps) in float32 (one fused op), cast back, then the learned scale."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +28,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if self.kernels is not None and x.is_contiguous():
             return self.kernels.rms_norm(x, None, self.weight, self.eps)[0]
-        # x * rsqrt(mean(x^2) + eps) in float32 (one fused op), cast back, then the learned scale
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual = x + residual; return norm(residual), residual` (one pass in the decoder)."""

@@ -5,6 +5,9 @@ cumulative probability exceeds u * (total mass). That is one random number per t
 race (argmax(probs / q), q ~ Exp(1) for every vocabulary entry) needs 150k: at batch 32 on CPU the race's
 noise alone took 27 ms per step, the cumulative sum takes about 1 ms. A request with a seed draws its u from
 its own generator, so its samples do not depend on which other requests share the batch.
+
+Built with `compile=True` (chapter 06; the config decides, on CUDA by default), the step from logits to the
+cumulative distribution (temperature, the filters, softmax, cumsum) runs as one torch.compile'd function.
 """
 
 from __future__ import annotations
@@ -48,10 +51,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks, top_ps, min_ps) -> tor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def sampling_cdf(logits: torch.Tensor, temps: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
+    """The cumulative distribution [B, V] of each row after temperature (0 = greedy: scaled by 1, its token is
+    taken by argmax anyway) and the filters; masked tokens add nothing."""
+    scaled = logits / torch.where(temps == 0, 1.0, temps)[:, None]
+    scaled = apply_top_k_top_p_min_p(scaled, top_ks, top_ps, min_ps)
+    return torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, compile: bool = False) -> None:
         self.seed = seed
         self.shared_generators: dict[str, torch.Generator] = {}  # per device, for rows without a seed
+        self.cdf = torch.compile(sampling_cdf, dynamic=True) if compile else sampling_cdf
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -65,9 +77,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         temps = batch.temperatures.to(logits.device)
         is_greedy = temps == 0
-        scaled = logits / torch.where(is_greedy, 1.0, temps)[:, None]
-        scaled = apply_top_k_top_p_min_p(scaled, batch.top_ks, batch.top_ps, batch.min_ps)
-        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)  # [B, V]; masked tokens add nothing
+        cdf = self.cdf(logits, temps, batch.top_ks, batch.top_ps, batch.min_ps)  # [B, V]
         u = torch.rand(cdf.shape[0], generator=self.shared_generator(cdf.device), device=cdf.device)  # [B]
         for i, gen in enumerate(batch.generators):
             if gen is not None:  # a seeded request: its own stream, one draw per token
