@@ -19,7 +19,7 @@ INTERPRET_VAR = "TRITON_INTERPRET"
 
 
 def interpreter_requested() -> bool:
-    """Is TRITON_INTERPRET=1 set in the environment (triton's own test: a true-ish value)?"""
+    """Is TRITON_INTERPRET=1 set in the environment? (triton's own test: 1, true, on or yes, any case)"""
     return os.environ.get(INTERPRET_VAR, "0").lower() in ("1", "true", "on", "yes")
 
 
