@@ -282,6 +282,34 @@ def test_two_engines_one_after_the_other_leave_no_process():
         assert no_children_within(5) == [], "del llm must stop its worker"
 
 
+DRIVER = """
+import os, sys
+from nanoengine import LLM, SamplingParams
+llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+print(*llm.engine.runner.workers.pids, flush=True)
+if sys.argv[1] == "ctrl-c":
+    llm.generate(["a long story"] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "ctrl-c"])
+def test_the_driver_exiting_or_interrupted_leaves_no_orphan(how, tmp_path):
+    """The script ends without close() (atexit stops the worker), or Ctrl-C stops it mid-run."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, how], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (worker,) = map(int, proc.stdout.readline().split())
+    if how == "ctrl-c":
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) != 0 if how == "ctrl-c" else proc.wait(30) == 0
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{worker}"), f"worker {worker} outlived its driver ({how})"
+
+
 def test_two_live_tp_engines_in_one_process_are_refused_clearly():
     with LLM("tiny-qwen3", tensor_parallel_size=2):
         with pytest.raises(RuntimeError, match="already has a torch.distributed process group.*close it first"):
