@@ -644,6 +644,19 @@ def learner_tokens(sample, calls, mode: str = "yours") -> list[list[int]]:
     return result
 
 
+def rule_sample(logits, temps, ks, ps, mins, gens, shared) -> list[int]:
+    """The Sampler's rules written out (with learner_tokens' modes it computes the classic wrong variants)."""
+    if all(t == 0 for t in temps):
+        return logits.argmax(-1).tolist()
+    cdf = torch.softmax(engine_filter(logits, temps, ks, ps, mins), -1).cumsum(-1)  # [B, V]
+    u = torch.rand(len(temps), generator=shared)
+    for b, gen in enumerate(gens):
+        if gen is not None:
+            u[b] = torch.rand((), generator=gen).item()
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+    return torch.where(torch.tensor(temps) == 0, logits.argmax(-1), tokens).tolist()
+
+
 SAMPLE_VARIANTS = {
     "shared_only": "sampling without the request's own generator; a row with a seed draws its u from "
                    "generators[b], so its tokens do not depend on the other requests in the batch",
@@ -658,27 +671,11 @@ def test_5_5_sample_matches_the_engine_sampler(ex):
         calls = batches(seed)
         got = learner_tokens(ex.sample, calls)
         want = engine_tokens(calls)
+        assert learner_tokens(rule_sample, calls) == want, "test bug: rule_sample drifted from the engine's Sampler"
         if got != want:
             k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            hint = ""
-            reference = learner_tokens  # the reference answer (engine rules) under each wrong variant
-
-            def engine_rule_sample(logits, temps, ks, ps, mins, gens, shared):
-                t = torch.tensor(temps)
-                if all(x == 0 for x in temps):
-                    return logits.argmax(-1).tolist()
-                cdf = torch.softmax(engine_filter(logits, temps, ks, ps, mins), -1).cumsum(-1)
-                u = torch.rand(len(temps), generator=shared)
-                for b, gb in enumerate(gens):
-                    if gb is not None:
-                        u[b] = torch.rand((), generator=gb).item()
-                tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-                return torch.where(t == 0, logits.argmax(-1), tok).tolist()
-
-            for mode, what in SAMPLE_VARIANTS.items():
-                if reference(engine_rule_sample, calls, mode) == got:
-                    hint = f" This looks like {what}."
-                    break
+            hint = next((f" This looks like {what}." for mode, what in SAMPLE_VARIANTS.items()
+                         if learner_tokens(rule_sample, calls, mode) == got), "")
             logits, temps, ks, ps, mins, seeds = calls[k]
             raise AssertionError(f"sample, call {k} of run {seed}: yours {got[k]}, the engine's Sampler {want[k]}.{hint}"
                                  f" [temperatures {temps}, top_k {ks}, top_p {ps}, min_p {mins}, seeds {seeds}] {where}")
