@@ -52,14 +52,15 @@ class TPGroup:
 
 
 SINGLE = TPGroup()  # one process: every layer whole
+ALREADY_IN_A_GROUP = ("this process already has a torch.distributed process group (another tensor-parallel LLM "
+                      "still alive?); close it first (llm.close() or del llm)")
 
 
 def init_process_group(backend: str, host: str, port: int, rank: int, size: int,
                        store: dist.Store | None = None) -> TPGroup:
     """Join the group (rank 0 passes the store it hosts; the others connect to host:port)."""
     if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed process group (another tensor-parallel "
-                           "LLM still alive?); close it first (llm.close() or del llm)")
+        raise RuntimeError(ALREADY_IN_A_GROUP)
     if store is None:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)

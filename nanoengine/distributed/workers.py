@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoengine.distributed.group import COLLECTIVE_TIMEOUT, init_process_group
+from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT, init_process_group
 
 HOST = "127.0.0.1"  # every rank on this machine (see the README for spanning machines)
 SHUTDOWN = "shutdown"
@@ -120,6 +120,8 @@ class Workers:
     """Ranks 1..N-1 of a tensor-parallel engine, started by rank 0's ModelRunner."""
 
     def __init__(self, config: Any, model_path: Path) -> None:
+        if dist.is_initialized():  # before spawning anything (init_process_group checks again)
+            raise RuntimeError(ALREADY_IN_A_GROUP)
         self.size = config.tensor_parallel_size
         self.error: str | None = None  # why the group broke, once it has
         self.procs: list[Any] = []
