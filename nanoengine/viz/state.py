@@ -500,16 +500,6 @@ class RequestTimelineState:
     finished_step: dict[int, int]
     seq_colors: dict[int, str]
 
-    def first_token_step(self, seq_id: int) -> int | None:
-        """The step whose batch computed the sequence's last prompt token (its first new token comes out)."""
-        prompt_done = [k for k in self.kinds[seq_id] if k in (PREFILL, DECODE)]
-        if not prompt_done:
-            return None
-        for s, k in enumerate(self.kinds[seq_id]):
-            if k == DECODE or (k == PREFILL and s + 1 < self.num_steps and self.kinds[seq_id][s + 1] == DECODE):
-                return s
-        return None
-
 
 def request_timeline_state(trace: RunTrace) -> RequestTimelineState:
     trace = check_trace(trace)
