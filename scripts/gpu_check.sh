@@ -6,7 +6,12 @@
 #   attention_check.md / .json   greedy tokens of triton and flash_attn vs torch (tiny-qwen3, smollm2; fp32,
 #                   bf16), and decode attention per backend at batch 1/32/256, context 512/4096, as a fraction
 #                   of the measured copy bandwidth (scripts/gpu_attention_check.py)
-#   bench.txt + JSON/plot   the book's benchmark on Qwen3-0.6B's shape (skip with BENCH=0)
+#   graphs_check.md / .json   CUDA graphs and torch.compile (chapter 06): greedy tokens of graphs == eager and
+#                   compiled == eager (tiny-qwen3, smollm2; fp32, bf16), a decode step eager vs graphs at batch
+#                   1/8/32/128 on qwen3-0.6b-shape, compiled vs eager per op (scripts/graphs_check.py); the
+#                   gpu-marked graph tests go into tests.txt
+#   bench.txt + JSON/plot   the book's benchmark on Qwen3-0.6B's shape, with graphs (the CUDA default): tok/s
+#                   and the fraction of the roofline bound (skip with BENCH=0)
 # Usage (device tool): bash scripts/gpu_check.sh   (about 6-8 minutes; expects torch with CUDA installed)
 # Installs what it needs without replacing that torch: pip gets a constraints file that pins the torch and
 # triton already there (the repo's constraints.txt pins the CPU build). flash-attn is tried and, when it
@@ -51,6 +56,8 @@ $PY -m nanoengine assets tiny-qwen3 smollm2-135m 2>&1 | tail -2
   timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_attention.py -k triton 2>&1 | tail -3
 } | tee "$OUT/tests.txt"
 timeout 240 $PY scripts/gpu_attention_check.py --out "$OUT" 2>&1 | tail -40
+timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py 2>&1 | tail -3 | tee -a "$OUT/tests.txt"
+timeout 240 $PY scripts/graphs_check.py --out "$OUT" 2>&1 | tail -40
 if [ "${BENCH:-1}" != 0 ]; then
   $PY -m nanoengine assets qwen3-0.6b-shape 2>&1 | tail -1
   timeout 300 $PY -m nanoengine bench --model qwen3-0.6b-shape --workload nano-vllm --peer-batches 32 \

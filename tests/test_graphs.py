@@ -113,6 +113,36 @@ def test_stand_in_pads_copies_and_clears_stale_columns():
     assert seen == {1, 2, 4, 8, 16, 20}
 
 
+def test_readmitted_sequence_replays_with_its_new_table():
+    """nano-vllm's two failure modes, step by step: b decodes beside a; b is preempted (its table emptied and
+    refilled with other blocks) and comes back through the prefix cache with only its last token to compute, a
+    one-token prefill that the step lays out as a decode and replays; then the batch shrinks to a's narrower
+    table. Each replay must see b's new table, never the old one, and no column of b's wider table."""
+    calls: list = []
+    graphs = stand_in(max_blocks=12, calls=calls)
+    builder = InputBuilder(4)
+    a = Sequence(list(range(100, 106)), SamplingParams(), 4)  # 6 tokens: 2 blocks
+    b = Sequence(list(range(200, 218)), SamplingParams(), 4)  # 18 tokens: 5 blocks
+    a.block_table, a.num_computed_tokens = [7, 8], 5
+    b.block_table, b.num_computed_tokens = [1, 2, 3, 4, 5], 17
+
+    def step(scheduled, seqs):
+        inp = builder.build(scheduled)
+        assert inp.is_decode_only and graphs.can_replay(inp)
+        out = graphs.replay(inp)
+        check_static_buffers(graphs, seqs, graphs.bucket_for(len(seqs)), 4)
+        assert out[:, 0].tolist() == [float(s.token_ids[s.num_computed_tokens] + s.num_computed_tokens) for s in seqs]
+
+    step([ScheduledSeq(a, 1, False), ScheduledSeq(b, 1, False)], [a, b])
+    b.block_table[:] = [9, 10, 11, 12, 13]  # preempted, re-admitted: the prefix cache gave other blocks
+    b.num_table_resets += 1
+    b.num_cached_tokens = 17  # every token but the last is cached: one token to compute, as a prefill
+    step([ScheduledSeq(a, 1, False), ScheduledSeq(b, 1, True)], [a, b])
+    assert graphs.block_tables[1, :5].tolist() == [9, 10, 11, 12, 13]
+    step([ScheduledSeq(a, 1, False)], [a])  # b finished: the batch shrank to a's two columns
+    assert not graphs.block_tables[:, 2:].any()
+
+
 def test_out_of_range_steps_run_eagerly():
     graphs = stand_in(max_num_seqs=4)
     seqs = [Sequence(list(range(9)), SamplingParams(), 4) for _ in range(6)]
@@ -170,21 +200,21 @@ def test_stand_in_equals_eager_through_growth_and_batch_changes():
 
 
 def test_stand_in_equals_eager_through_preemption_and_readmission():
-    """A 28-block pool for six growing sequences: preempted sequences come back through the prefix cache,
-    recomputing only their last token (a one-token step of a re-admitted sequence, with a new table), which is
-    replayed as a decode with its new table; and a re-prefill of more tokens runs eagerly. nano-vllm's two
-    failure modes: the re-prefilled sequence taken for a decode with its old state, and a replay reading a stale
-    table after the batch shrank or a sequence came back (checked against the sequences at every replay)."""
+    """A 28-block pool for six growing sequences: preempted sequences are recomputed (eagerly: a step with a
+    prefill chunk) and then decode again in replayed graphs with their new tables; every replay's buffers are
+    checked against the sequences, so a stale table after the batch shrank or a sequence came back would show.
+    (The one-token re-prefill is `test_readmitted_sequence_replays_with_its_new_table`.)"""
     options = dict(num_kvcache_blocks=28)
     eager, _ = generate([PROMPTS], GREEDY, **options)
-    reference, _ = generate([PROMPTS], GREEDY)  # no preemption at all
-    graphed, llm = generate([PROMPTS], GREEDY, checked=True, graph_stand_in=True, **options)
-    assert graphed == eager == reference
-    stats = llm.engine.stats
-    assert sum(s.num_preempted for s in stats) >= 2, "the pool was meant to force preemptions"
+    graphed, llm = generate([PROMPTS], GREEDY, checked=True, graph_stand_in=True, trace=True, **options)
+    assert graphed == eager
+    steps = llm.trace.steps
+    preempted = {i for s in steps for i in s.preempted}
+    assert len(preempted) >= 2, "the pool was meant to force preemptions"
+    assert any(e.seq_id in preempted and e.prefill_tokens for s in steps for e in s.scheduled)  # re-admitted
     replayed = sum(llm.engine.runner.graphs.replays.values())
-    decode_only = sum(1 for s in stats if s.prefill_tokens == 0)
-    assert replayed == decode_only and replayed < len(stats)  # steps with a prefill chunk ran eagerly
+    one_token_each = sum(all(e.prefill_tokens + e.decode_tokens == 1 for e in s.scheduled) for s in steps)
+    assert replayed == one_token_each < len(steps)  # steps with a prefill chunk ran eagerly
 
 
 def test_stand_in_with_the_cpu_kernels_and_padding_rows(cpu_kernels):
@@ -192,6 +222,23 @@ def test_stand_in_with_the_cpu_kernels_and_padding_rows(cpu_kernels):
     eager, _ = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu")
     graphed, llm = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu", graph_stand_in=True)
     assert graphed == eager and 4 in llm.engine.runner.graphs.replays
+
+
+def replays_on(runner) -> int:
+    return sum(runner.graphs.replays.values())
+
+
+@pytest.mark.xdist_group("tp")
+def test_stand_in_under_tensor_parallelism_equals_eager():
+    """Two ranks over gloo: each records and replays its own graphs (their all-reduces inside), deciding graph
+    or eager from the same step, so they stay in lockstep; tokens == one eager process as the batch shrinks."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 3, 9, 6)]
+    eager, _ = generate([PROMPTS[:4]], params)
+    graphed, llm = generate([PROMPTS[:4]], params, checked=True, graph_stand_in=True, tensor_parallel_size=2)
+    with llm:
+        assert graphed == eager
+        per_rank = llm.collective_rpc(replays_on)
+    assert per_rank[0] == per_rank[1] > 0
 
 
 def test_graph_options_are_decided_once_in_the_config():
