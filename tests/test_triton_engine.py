@@ -1,5 +1,6 @@
 """The engine with attention_backend='triton' == the torch backend, token for token, on tiny-qwen3 (float32),
-with the Triton kernels in Triton's interpreter on CPU (compiled on CUDA): chunked prefill and prefix hits;
+with the Triton kernels in Triton's interpreter on CPU (compiled on CUDA): chunked prefill and prefix hits
+with decode steps replayed from graphs (CPU: their stand-in), as on CUDA;
 nano-vllm's failure modes (a fully cached prompt of an exact multiple of the block size, whose last token
 alone is recomputed; chunked prefill with preemption and prefix hits); greedy and seeded sampling. Each
 test checks that the situation it is about really happened (hits, chunks, preemptions in StepStats)."""
@@ -24,7 +25,8 @@ def run(backend: str, batches: list[list[list[int]]], params: SamplingParams | l
     `params`: one SamplingParams for all, or one list per batch."""
     llm = LLM("tiny-qwen3", device=DEVICE, dtype="float32", attention_backend=backend, block_size=16, **options)
     assert llm.config.attention_backend == backend
-    tokens, totals = [], {"hits": 0, "preempted": 0, "max_prefill": 0, "cached_prompts": []}
+    tokens, totals = [], {"hits": 0, "preempted": 0, "max_prefill": 0, "cached_prompts": [],
+                          "graphs": llm.config.decode_graphs}
     for i, prompts in enumerate(batches):
         outs = llm.generate(prompts, params[i] if isinstance(params, list) else params, use_tqdm=False)
         tokens += [o.outputs[0].token_ids for o in outs]
@@ -39,13 +41,15 @@ def run(backend: str, batches: list[list[list[int]]], params: SamplingParams | l
 @pytest.mark.slow  # ~20 s in the interpreter
 def test_triton_equals_torch_with_chunked_prefill_and_a_prefix_hit():
     """Greedy and seeded sampling side by side; the second batch hits the first one's cached prefix, and its
-    72-token prompt is prefilled in chunks of 32."""
+    72-token prompt is prefilled in chunks of 32. Decode steps replay graphs, as they do on CUDA (here the
+    graphs' CPU stand-in: batches padded to a bucket with rows of slot -1 and context 0)."""
     prompts = [PREFIX + [9, 8, 7], [11, 12, 13, 14, 15], PREFIX + [1] * 40]
     batches = [prompts[:1], prompts]
     params = [[GREEDY], [SEEDED, GREEDY, SEEDED]]
-    want, stats = run("torch", batches, params, max_num_batched_tokens=32)
-    got, _ = run("triton", batches, params, max_num_batched_tokens=32)
-    assert stats["hits"] >= 64 and stats["max_prefill"] == 32
+    options = {"max_num_batched_tokens": 32, "max_num_seqs": 4, "max_model_len": 256}  # 3 small graph buckets
+    want, stats = run("torch", batches, params, **options)
+    got, graphed = run("triton", batches, params, graph_stand_in=DEVICE == "cpu", **options)
+    assert stats["hits"] >= 64 and stats["max_prefill"] == 32 and graphed["graphs"] in ("stand_in", "cuda")
     assert got == want
 
 

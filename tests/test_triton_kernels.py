@@ -76,7 +76,8 @@ DECODE_CASES = ([(torch.bfloat16, *g, bs) for g in GQA for bs in (16, 256)]
                          ids=[f"{str(c[0])[6:]}-{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}" for c in DECODE_CASES])
 def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     """Ragged contexts (1 token, within one block, across blocks) in scattered blocks, padded tables; one
-    program per (sequence, kv head), or the context split 3 ways (short contexts leave splits empty), merged."""
+    program per (sequence, kv head), or the context split 3 ways (short contexts leave splits empty), merged;
+    and a context of 0 (CUDA-graph padding) gives zeros."""
     from nanoengine.kernels.triton_decode import paged_decode
 
     gen = torch.Generator().manual_seed(num_heads * 10 + block_size)
@@ -93,10 +94,15 @@ def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_
     scale = head_dim ** -0.5
     want = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, context, scale)
     args = [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, context)]
+    padded = [t.to(DEVICE) for t in (q[:2], k_cache, v_cache, block_tables[:2], torch.tensor([0, 37]))]
     for splits in (1, 3):
         got = paged_decode(*args, scale, num_splits=splits)
         assert got.dtype == dtype and got.shape == q.shape
         assert_matches(got, want, f"decode, {splits} split(s)")
+        # a CUDA-graph padding row (context 0) reads nothing and gives zeros, not 0/0; its neighbour is intact
+        got = paged_decode(*padded, scale, num_splits=splits).cpu()
+        assert got[0].eq(0).all(), f"context 0, {splits} split(s): {got[0].abs().max()}"
+        assert_matches(got[1:], want[1:2], "decode next to a padding row")
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

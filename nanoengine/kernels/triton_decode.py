@@ -11,7 +11,8 @@ context is cut into `num_splits` contiguous ranges, one program each, and every 
 result: its normalized output and the log of its softmax denominator (log-sum-exp, `lse`). A second small
 kernel (launched only when there are splits; with one, the decode kernel writes the output itself) merges the splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
 out = sum_s w_s * out_s / sum_s w_s, which is exactly the softmax over the whole context. A split whose
-range is empty (a short context among long ones) has lse = -inf and weight 0.
+range is empty (a short context among long ones) has lse = -inf and weight 0. A context of 0 (the padding
+rows of a CUDA-graph batch) reads nothing and gives 0.
 
 `choose_num_splits` picks the count on the host from the batch shape alone (no GPU sync): enough programs to
 cover the GPU twice over, at least SPLIT_MIN_TOKENS tokens per split. Without a GPU (the interpreter) it is 1.
@@ -79,14 +80,14 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_head,
                                 lo, hi, d, d_mask, stride_block, stride_slot, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_FP32)
 
-    if not SPLIT:  # one program saw the whole context: the result is final (l_i > 0: context >= 1)
-        out = acc / l_i[:, None]
+    # l_i == 0: nothing was read (an empty split, or a CUDA-graph padding row of context 0): output 0, not 0/0
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if not SPLIT:  # one program saw the whole context: the result is final
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
-    # partial result: normalized output, and log-sum-exp in log2 units (-inf for an empty split)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # partial result: the normalized output, and log-sum-exp in log2 units (-inf for an empty split)
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     rows = seq * stride_pb + heads * stride_ph + split * stride_ps  # [BLOCK_G]
     tl.store(part_out_ptr + rows[:, None] + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
@@ -104,10 +105,12 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     s_mask = s < num_splits
     lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=s_mask,
                   other=float("-inf"))  # [BLOCK_S]
-    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S] weights; 0 for empty or padded splits
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty (a context of 0): no -inf - -inf
+    w = tl.exp2(lse - top)  # [BLOCK_S] weights; 0 for empty or padded splits
     parts = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                     mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [BLOCK_D]; 0 for a context of 0
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
