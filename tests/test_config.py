@@ -72,7 +72,8 @@ def test_triton_on_cpu_needs_the_interpreter_switched_on(monkeypatch):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """Resolve as on a CUDA machine (nothing runs): set flash_attn's and triton's availability by hand."""
+    """Resolve as on a CUDA machine (nothing runs): set flash_attn's and triton's availability by hand
+    (enforce_eager=True where the torch backend may be picked: graphs are not what these tests are about)."""
     from nanoengine.attention import flash_attn_backend
     from nanoengine.kernels import triton_support
 
@@ -100,9 +101,9 @@ def test_cuda_picks_flash_attn_then_triton_with_a_block_size_each_can_use(fake_c
         fake_cuda[name] = f"{name} is missing"
     if len(missing) == 2:
         with pytest.warns(UserWarning, match=r"neither flash_attn.*nor triton.*using the slower torch"):
-            cfg = EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
+            cfg = EngineConfig(device="cuda", enforce_eager=True, **options).resolve(tiny_hf_config())
     else:
-        cfg = EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
+        cfg = EngineConfig(device="cuda", enforce_eager=True, **options).resolve(tiny_hf_config())
     assert (cfg.attention_backend, cfg.block_size) == want
 
 
