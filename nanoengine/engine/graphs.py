@@ -14,8 +14,8 @@ same kernels on the same memory, so:
   reads an old block id;
 - anything else runs eagerly: a step with a prefill chunk, a batch larger than the largest bucket.
 The graph holds the whole forward the runner would run eagerly, the attention backend's `plan` included, so
-whichever backend is active is captured (it must not sync with the host: the config refuses the torch
-backend on CUDA).
+whichever backend is active is captured. On CUDA its plan and forward must not sync with the host or copy
+from it (the torch backend's store does, so the config runs it eagerly, with a warning).
 
 Capturing and replaying go through one small interface (`capture(fn)`, `replay()`), with two kinds:
 `CUDAGraph` records the kernels; `StandInGraph` (CPU) records `fn` itself and replays it by calling it on
