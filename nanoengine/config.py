@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoengine.assets import DEFAULT_MODEL
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -79,13 +80,15 @@ class EngineConfig:
             for k in unknown:
                 close = difflib.get_close_matches(k, names, n=1)
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"unknown engine option(s): {', '.join(hints)}. Valid options: {', '.join(names)}")
+            raise InvalidTypeError(f"unknown engine option(s): {', '.join(hints)}. Valid options: {', '.join(names)}")
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
             if not ok:
-                raise ValueError(f"EngineConfig: {msg}")
+                raise InvalidValueError(f"EngineConfig: {msg}")
+
+        self._check_types()
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -102,6 +105,21 @@ class EngineConfig:
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
+    def _check_types(self) -> None:
+        """Each option has the type its annotation says (bool is not an int here, an int is a float)."""
+        accepts = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                   "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                   "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+                   "None": lambda v: v is None}
+        for f in dataclasses.fields(self):
+            kinds = [k.strip() for k in str(f.type).split("|")]
+            if f.name == "hf_config" or not all(k in accepts for k in kinds):
+                continue
+            value = getattr(self, f.name)
+            if not any(accepts[k](value) for k in kinds):
+                raise InvalidTypeError(f"EngineConfig: {f.name} must be {' or '.join(kinds)}, got {value!r} "
+                                       f"({type(value).__name__})")
+
     def resolve(self, hf_config: Any) -> EngineConfig:
         """Fill the 'auto' choices from the machine and the model's config (the one place for them)."""
         import torch
@@ -112,7 +130,7 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or 'auto'")
+            raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or 'auto'")
         self._check_tensor_parallel(hf_config)
         from nanoengine.layers.linear import onednn_bf16_available
 
@@ -132,7 +150,7 @@ class EngineConfig:
         if self.prepack_weights is not False:  # None (auto) or True (asked for)
             packable = self.device == "cpu" and self.dtype == "bfloat16" and onednn_bf16_available()
             if self.prepack_weights and not packable:
-                raise ValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
+                raise InvalidValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
                                  "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")
             self.prepack_weights = packable
         self._resolve_graphs_and_compile()
@@ -140,7 +158,7 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = model_max
         elif self.max_model_len > model_max:
-            raise ValueError(f"EngineConfig: max_model_len={self.max_model_len} is longer than the model's "
+            raise InvalidValueError(f"EngineConfig: max_model_len={self.max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
         return self
 
@@ -161,22 +179,22 @@ class EngineConfig:
         if bad:
             works = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
             works = [d for d in works if d <= sizes["attention heads (num_attention_heads)"]]
-            raise ValueError(f"EngineConfig: tensor_parallel_size={tp} must divide the model's "
+            raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} must divide the model's "
                              f"{', '.join(bad)} evenly, since each rank holds an equal share; "
                              f"sizes that work for this model: {', '.join(map(str, works))}")
         if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
+            raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
                              f"{torch.cuda.device_count()} CUDA device(s) are visible; use tensor_parallel_size <= "
                              f"{torch.cuda.device_count()} or device='cpu' (gloo, for learning and testing)")
 
     def _resolve_graphs_and_compile(self) -> None:
         """CUDA graphs (or their CPU stand-in) and torch.compile, decided once, here (chapter 06)."""
         if self.graph_stand_in and self.device != "cpu":
-            raise ValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA the "
+            raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA the "
                              "engine captures real graphs (leave graph_stand_in=False; enforce_eager=True turns "
                              "them off)")
         if self.graph_stand_in and self.enforce_eager:
-            raise ValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
+            raise InvalidValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
                              "enforce_eager=True forbids graphs; pick one")
         if self.device == "cuda" and not self.enforce_eager and self.attention_backend == "torch":
             warnings.warn("nanoengine: attention_backend='torch' cannot run inside a CUDA graph (its store decides "
@@ -185,7 +203,7 @@ class EngineConfig:
         if self.torch_compile is None:
             self.torch_compile = self.device == "cuda"
         elif self.torch_compile and self.attention_backend == "cpu":
-            raise ValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' already "
+            raise InvalidValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' already "
                              "runs as fused C++ kernels; use attention_backend='torch' to compile them instead, "
                              "or leave torch_compile unset")
 
@@ -215,20 +233,20 @@ class EngineConfig:
         if want == "triton":
             problem = triton_support.problem(self.device)
             if problem:
-                raise ValueError(f"EngineConfig: attention_backend='triton' cannot run here: {problem}")
+                raise InvalidValueError(f"EngineConfig: attention_backend='triton' cannot run here: {problem}")
             return want
         if self.device == "cpu":
             if want == "flash_attn":
-                raise ValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' only; on CPU "
+                raise InvalidValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' only; on CPU "
                                  "use 'auto' (the C++ kernels), 'cpu', 'torch' or 'triton' (TRITON_INTERPRET=1)")
             return self._pick_cpu_kernels()
         if want == "cpu":
-            raise ValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA use 'auto', "
+            raise InvalidValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA use 'auto', "
                              "'flash_attn', 'triton' or 'torch'")
         flash_problem = self._flash_attn_problem(flash_attn_backend.problem())
         if want == "flash_attn":
             if flash_problem:
-                raise ValueError(f"EngineConfig: attention_backend='flash_attn' cannot run here: {flash_problem}")
+                raise InvalidValueError(f"EngineConfig: attention_backend='flash_attn' cannot run here: {flash_problem}")
             return want
         if flash_problem is None:  # auto on CUDA
             return "flash_attn"
@@ -260,7 +278,7 @@ class EngineConfig:
         if problem is None:
             return "cpu"
         if self.attention_backend == "cpu":
-            raise ValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
+            raise InvalidValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
                              "install a C++ compiler or use attention_backend='torch'")
         warnings.warn(f"nanoengine: the CPU kernels cannot be built here ({problem}); using the slower torch "
                       "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=5)
@@ -272,7 +290,7 @@ class EngineConfig:
         bs = self.block_size
         if self.attention_backend == "triton" and bs & (bs - 1):
             lower = 1 << (bs.bit_length() - 1)
-            raise ValueError(f"EngineConfig: attention_backend='triton' needs a power-of-two block_size, not "
+            raise InvalidValueError(f"EngineConfig: attention_backend='triton' needs a power-of-two block_size, not "
                              f"{bs}; use {lower} or {lower * 2} (default {DEFAULT_BLOCK_SIZE['triton']})")
 
     @property

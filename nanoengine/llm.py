@@ -14,6 +14,7 @@ from typing import Any
 
 from nanoengine.assets import DEFAULT_MODEL
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import apply_chat_template
@@ -49,7 +50,10 @@ class LLM:
     def _as_prompt_list(prompts: Any) -> list[Any]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidTypeError(f"prompts must be a string, a dict, a list of token ids, or a list of those; "
+                                   f"got {type(prompts).__name__}")
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
 
@@ -58,11 +62,11 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                                 "pass one for all or one per prompt")
+                raise InvalidValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                                        "pass one for all or one per prompt")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [SamplingParams() if sampling_params is None else sampling_params] * len(prompts)
         engine = self.engine
         # check every request before queueing any, so one bad prompt leaves nothing half-added
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
@@ -102,7 +106,12 @@ class LLM:
         return outputs
 
     def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidTypeError("chat takes a conversation (a non-empty list of {'role', 'content'} dicts) or a "
+                                   f"list of conversations; got {messages!r:.80}")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise InvalidTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         return [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **(chat_template_kwargs or {}))}
                 for c in convs]
 

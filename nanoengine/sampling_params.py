@@ -1,11 +1,20 @@
 """SamplingParams: how one request is decoded (vLLM's names and defaults). Chapter 05.
 
-temperature 0 means greedy. top_k=-1 (or 0) and top_p=1 and min_p=0 switch those filters off.
+temperature 0 means greedy. top_k=-1 (or 0) and top_p=1 and min_p=0 switch those filters off. Every field
+is checked here, type and range, with an error naming the field, the value and what is allowed
+(`InvalidValueError` / `InvalidTypeError`, subclasses of ValueError / TypeError).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from nanoengine.errors import InvalidTypeError, InvalidValueError
+
+MIN_TEMPERATURE = 1e-6  # below this, logits / temperature overflow float32; 0 is greedy
+MAX_SEED = 2**63 - 2**20  # a seed plus a completion index stays a valid torch seed
 
 
 @dataclass
@@ -26,39 +35,43 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        def bad(what: str, fix: str) -> ValueError:
-            return ValueError(f"SamplingParams: {what}; {fix}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad(f"n must be an integer >= 1, got {self.n!r}", "ask for at least one completion")
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}", "use 0 for greedy decoding")
-        if self.top_k is None:
-            self.top_k = -1
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}", "use -1 to disable")
+        self.n = _integer("n", self.n, lo=1)
+        self.temperature = _number("temperature", self.temperature, lo=0.0,
+                                   fix="use 0 for greedy decoding, or a positive temperature such as 0.7")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise _bad(f"temperature={self.temperature!r} is too small to differ from greedy and overflows the "
+                       f"scaled logits", f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE}")
+        self.top_k = -1 if self.top_k is None else _integer("top_k", self.top_k, lo=-1, fix="use -1 to disable")
         if self.top_k == 0:
             self.top_k = -1
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}", "use 0.0 to disable")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}",
-                      "None means: up to the model's maximum length")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad(f"min_tokens={self.min_tokens} must be in [0, max_tokens]", "lower min_tokens")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an int or None, got {self.seed!r}", "pass an integer seed")
+        self.top_p = _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, fix="use 1.0 to disable")
+        self.min_p = _number("min_p", self.min_p, lo=0.0, hi=1.0, fix="use 0.0 to disable")
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, lo=-MAX_SEED, hi=MAX_SEED, fix="pass an integer, or None")
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, lo=1,
+                                       fix="None means: up to the model's maximum length")
+        self.min_tokens = _integer("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens,
+                                   fix="min_tokens is at most max_tokens")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"{name} must be True or False, got {getattr(self, name)!r}", "pass a bool", InvalidTypeError)
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
         elif self.stop is None:
             self._stop_list = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self._stop_list = list(self.stop)
+        else:
+            raise _bad(f"stop must be a string or a list of strings, got {type(self.stop).__name__}",
+                       "pass e.g. stop=['\\n\\n']", InvalidTypeError)
         if any(not isinstance(s, str) or not s for s in self._stop_list):
-            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}", "remove empty stops")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            raise _bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}", "remove empty stops")
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if not isinstance(ids, (list, tuple)):
+            raise _bad(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}", "pass e.g. [2]",
+                       InvalidTypeError)
+        self.stop_token_ids = [_integer("stop_token_ids", t, lo=0, fix="token ids are >= 0") for t in ids]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -67,3 +80,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bad(what: str, fix: str, kind: type[Exception] = InvalidValueError) -> Exception:
+    return kind(f"SamplingParams: {what}; {fix}")
+
+
+def _integer(name: str, value: Any, lo: int, hi: int | None = None, fix: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer, got {value!r} ({type(value).__name__})", fix or "pass an int",
+                   InvalidTypeError)
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise _bad(f"{name} must be {allowed}, got {value}", fix or f"pass an integer {allowed}")
+    return value
+
+
+def _number(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False, fix: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{name} must be a number, got {value!r} ({type(value).__name__})", fix, InvalidTypeError)
+    value = float(value)
+    too_low = value <= lo if lo_open else value < lo
+    if not math.isfinite(value) or too_low or (hi is not None and value > hi):
+        allowed = (f"{'>' if lo_open else '>='} {lo}" if hi is None else
+                   f"in {'(' if lo_open else '['}{lo}, {hi}]")
+        raise _bad(f"{name} must be {allowed}, got {value}", fix)
+    return value

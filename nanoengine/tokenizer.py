@@ -11,13 +11,25 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nanoengine.errors import InvalidTypeError, InvalidValueError
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    from nanoengine.errors import CheckpointError
+
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json")  # transformers would build an empty one
+    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in vocab_files):
+        raise CheckpointError(f"{path}: its tokenizer could not be loaded (none of {', '.join(vocab_files)}); a model "
+                              "folder needs its tokenizer files (tokenizer.json and tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: its tokenizer could not be loaded ({type(e).__name__}: {str(e)[:200]}); a model "
+                              "folder needs its tokenizer files (tokenizer.json and tokenizer_config.json)") from e
 
 
 def eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
@@ -32,9 +44,28 @@ def eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Any) -> None:
+    """A conversation is a non-empty list of {"role": one of CHAT_ROLES, "content": str} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidTypeError(f"a conversation is a non-empty list of messages, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidTypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if "role" not in m or "content" not in m:
+            raise InvalidValueError(f"message {i} needs 'role' and 'content'; it has {sorted(m)}")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidValueError(f"message {i} has role {m['role']!r}; use one of {CHAT_ROLES}")
+        if not isinstance(m["content"], str):
+            raise InvalidTypeError(f"message {i}'s content must be a string, got {type(m['content']).__name__}")
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+    check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        raise InvalidValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 

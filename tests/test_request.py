@@ -67,7 +67,11 @@ def test_parse_prompt_forms_and_errors():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         parse_prompt([300], tok, 200)
     with pytest.raises(ValueError, match="needs 'prompt' or 'prompt_token_ids'"):
+        parse_prompt({}, tok, 200)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['text'\]"):
         parse_prompt({"text": "x"}, tok, 200)
+    with pytest.raises(TypeError, match=r"must be ints; got True"):
+        parse_prompt([1, True], tok, 200)
     with pytest.raises(TypeError, match="a prompt is a string"):
         parse_prompt(3.5, tok, 200)
 

@@ -24,6 +24,7 @@ from nanoengine.engine.model_runner import ModelRunner
 from nanoengine.engine.request import Completion, Request, check_token_ids, parse_prompt
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
+from nanoengine.errors import CheckpointError, InvalidTypeError, InvalidValueError
 from nanoengine.outputs import RequestMetrics
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import eos_token_ids, load_tokenizer
@@ -41,6 +42,9 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.config.resolve(hf_config)
         self.tokenizer = load_tokenizer(self.model_path)
+        if len(self.tokenizer) > hf_config.vocab_size:
+            raise CheckpointError(f"{self.model_path}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
+                                  f"vocab_size is {hf_config.vocab_size}; the tokenizer files belong to another model")
         self.runner = ModelRunner(self.config, self.model_path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
@@ -60,13 +64,14 @@ class LLMEngine:
     def make_request(self, prompt: Any, params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
         """Tokenize and check a request without queueing it (so a batch can be checked before any is added)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = parse_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
+        check_token_ids(params.stop_token_ids, self.config.hf_config.vocab_size, "stop_token_ids")
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise InvalidValueError(f"request id {rid!r} is already in use")
         seqs = [Sequence(ids, params, self.config.block_size) for _ in range(params.n)]
         for i, s in enumerate(seqs):
             s.index, s.request_id = i, rid
@@ -161,7 +166,7 @@ class LLMEngine:
         seq = Sequence(check_token_ids(list(token_ids), self.config.hf_config.vocab_size), SamplingParams(),
                        self.config.block_size)
         if not self.block_manager.can_allocate(seq, seq.num_tokens):
-            raise ValueError(f"a prompt of {seq.num_tokens} tokens needs {self.block_manager.blocks_for(seq.num_tokens)} "
+            raise InvalidValueError(f"a prompt of {seq.num_tokens} tokens needs {self.block_manager.blocks_for(seq.num_tokens)} "
                              f"KV blocks, {self.block_manager.num_free_blocks} are free; finish or abort the running "
                              "requests, or give the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)

@@ -13,36 +13,50 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoengine.engine.sequence import Sequence
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import IncrementalDetokenizer
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as a string, a list of token ids, or a dict with
     'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else."""
     if isinstance(prompt, dict):
+        unknown = [k for k in prompt if k not in PROMPT_KEYS]
+        if unknown:
+            raise InvalidValueError(f"a prompt dict takes the keys {PROMPT_KEYS}; got unknown key(s) {unknown}")
+        if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+            raise InvalidTypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), check_token_ids(list(prompt["prompt_token_ids"]), vocab_size)
+            return prompt.get("prompt"), check_token_ids(prompt["prompt_token_ids"], vocab_size)
         if "prompt" not in prompt:
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}")
+            raise InvalidValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}")
         prompt = prompt["prompt"]
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("empty prompt: give at least one character or token id")
+            raise InvalidValueError("empty prompt: give at least one character or token id")
         return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return None, check_token_ids(list(prompt), vocab_size)
-    raise TypeError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
+    if isinstance(prompt, (list, tuple)):
+        return None, check_token_ids(prompt, vocab_size)
+    raise InvalidTypeError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
-    if not ids:
-        raise ValueError("empty prompt: give at least one token id")
+def check_token_ids(ids: Any, vocab_size: int, what: str = "prompt token ids") -> list[int]:
+    """ids as a list of ints in [0, vocab_size), or an error naming the first bad one."""
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidTypeError(f"{what} must be a list of ints, got {type(ids).__name__}")
+    not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+    if not_ints:
+        raise InvalidTypeError(f"{what} must be ints; got {not_ints[0]!r} ({type(not_ints[0]).__name__})")
+    if not ids and what == "prompt token ids":
+        raise InvalidValueError("empty prompt: give at least one token id")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    return ids
+        raise InvalidValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return list(ids)
 
 
 class Completion:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
+from nanoengine.errors import InvalidValueError
 
 
 @dataclass(slots=True)
@@ -37,7 +38,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
         if config.max_model_len is None:
-            raise ValueError("Scheduler: config.max_model_len is None; call config.resolve(hf_config) first "
+            raise InvalidValueError("Scheduler: config.max_model_len is None; call config.resolve(hf_config) first "
                              "or set max_model_len explicitly")
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -63,20 +64,20 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is None:
             if prompt_len >= self.max_model_len:
-                raise ValueError(
+                raise InvalidValueError(
                     f"prompt of {prompt_len} tokens leaves no room to generate within max_model_len="
                     f"{self.max_model_len}; shorten the prompt or raise max_model_len")
             total = prompt_len
         else:
             total = prompt_len + max_tokens
             if total > self.max_model_len:
-                raise ValueError(
+                raise InvalidValueError(
                     f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = {total} exceeds max_model_len="
                     f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise max_model_len")
         blocks = self.block_manager.blocks_for(total)
         num_blocks = self.block_manager.num_blocks
         if blocks > num_blocks:
-            raise ValueError(
+            raise InvalidValueError(
                 f"request of {total} tokens needs {blocks} KV blocks of {self.block_size} tokens and can never fit "
                 f"the KV pool of {num_blocks} blocks; shorten the prompt or max_tokens, or give the cache more "
                 f"room (num_kvcache_blocks / kv_cache_memory_gb)")

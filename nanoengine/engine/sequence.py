@@ -10,6 +10,8 @@ from enum import Enum, auto
 from itertools import count
 from typing import Any
 
+from nanoengine.errors import InvalidValueError
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -23,7 +25,7 @@ class Sequence:
     def __init__(self, token_ids: list[int], sampling_params: Any, block_size: int,
                  seq_id: int | None = None) -> None:
         if not token_ids:
-            raise ValueError("a sequence needs at least one prompt token; got an empty prompt")
+            raise InvalidValueError("a sequence needs at least one prompt token; got an empty prompt")
         self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(token_ids)

@@ -15,13 +15,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanoengine.errors import CheckpointError
 from nanoengine.layers.linear import default_weight_loader
 
 
 def checkpoint_files(path: Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}; nanoengine loads Hugging Face safetensors folders")
+        raise CheckpointError(f"no *.safetensors files in {path}; nanoengine loads Hugging Face safetensors folders")
     return files
 
 
@@ -31,31 +32,48 @@ def load_model(model: nn.Module, path: Path) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in checkpoint_files(path):
-        with safe_open(str(file), "pt") as f:
-            for ckpt_name in f.keys():
-                name = ckpt_name.removeprefix("model.")
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                shard = None
-                for frag, (ours, part) in packed.items():
-                    if f".{frag}." in name:
-                        name, shard = name.replace(f".{frag}.", f".{ours}."), part
-                        break
-                param = params.get(name)
-                if param is None:
-                    unexpected.append(ckpt_name)
-                    continue
-                tensor = f.get_slice(ckpt_name)  # lazy: the loader reads its rows or columns only
-                try:
-                    with torch.no_grad():
-                        if shard is None:
-                            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                        else:
-                            param.weight_loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint {file}: tensor {ckpt_name!r} does not fit the model's "
-                                     f"{name!r}: {e}") from None
-                loaded.add(name if shard is None else f"{name}:{shard}")
+        try:
+            load_file(model, file, params, packed, loaded, unexpected)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' own errors: a corrupt header, a truncated file
+            raise CheckpointError(f"checkpoint file {file} could not be read ({type(e).__name__}: {e}); it may be "
+                                  "corrupt or truncated: download or convert it again") from e
+    report_mismatch(model, path, loaded, unexpected)
+
+
+def load_file(model: nn.Module, file: Path, params: dict, packed: dict, loaded: set[str],
+              unexpected: list[str]) -> None:
+    """Load every tensor of one safetensors file into its parameter (or note it as unexpected)."""
+    with safe_open(str(file), "pt") as f:
+        for ckpt_name in f.keys():
+            name = ckpt_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            shard = None
+            for frag, (ours, part) in packed.items():
+                if f".{frag}." in name:
+                    name, shard = name.replace(f".{frag}.", f".{ours}."), part
+                    break
+            param = params.get(name)
+            if param is None:
+                unexpected.append(ckpt_name)
+                continue
+            tensor = f.get_slice(ckpt_name)  # lazy: the loader reads its rows or columns only
+            try:
+                with torch.no_grad():
+                    if shard is None:
+                        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {file}: tensor {ckpt_name!r} does not fit the model's "
+                                      f"{name!r}: {e}") from None
+            loaded.add(name if shard is None else f"{name}:{shard}")
+
+
+def report_mismatch(model: nn.Module, path: Path, loaded: set[str], unexpected: list[str]) -> None:
+    """A CheckpointError listing the parameters no tensor filled and the tensors no parameter took."""
     missing = []
     for name, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
@@ -66,6 +84,6 @@ def load_model(model: nn.Module, path: Path) -> None:
     if getattr(model, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:10]}"
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:10]}"
                          f"{' ...' if len(missing) > 10 else ''} ({len(missing)} in all); unexpected "
                          f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoengine.errors import CheckpointError
 from nanoengine.models.llama import LlamaForCausalLM
 from nanoengine.models.qwen3 import Qwen3ForCausalLM
 
@@ -18,5 +19,5 @@ def get_model_class(hf_config: Any):
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch]
-    raise ValueError(f"unsupported architecture {archs or '(none in config.json)'}; "
+    raise CheckpointError(f"unsupported architecture {archs or '(none in config.json)'}; "
                      f"nanoengine runs: {', '.join(MODELS)}")

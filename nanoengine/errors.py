@@ -1,0 +1,25 @@
+"""nanoengine's exceptions. Chapter 00.
+
+Every mistake in what a user passes (an engine option, sampling parameters, a prompt, chat messages, a
+checkpoint) raises one of these, with a message that names the parameter, tensor or file, the value, and what
+is allowed. They subclass ValueError or TypeError, so code written for vLLM (`except ValueError`) keeps working.
+"""
+
+from __future__ import annotations
+
+
+class NanoengineError(Exception):
+    """Base class: `except NanoengineError` catches every input error nanoengine raises."""
+
+
+class InvalidValueError(NanoengineError, ValueError):
+    """A value of the right type that is not allowed (out of range, empty, too long, inconsistent)."""
+
+
+class InvalidTypeError(NanoengineError, TypeError):
+    """A value of the wrong type."""
+
+
+class CheckpointError(InvalidValueError):
+    """A model folder that cannot be loaded: a missing, corrupt or truncated file, a missing or mis-shaped
+    tensor, an unsupported architecture, or a tokenizer that does not match the model."""
