@@ -34,7 +34,7 @@ lab: assets
 # share two cores, and a 2-thread torch process next to a busy core runs ~40x slower.
 TEST_ENV := OMP_NUM_THREADS=1 NANOENGINE_IMPL=solutions
 test: assets
-	$(TEST_ENV) $(PY) -m pytest -n $(JOBS) --dist loadgroup tests
+	$(TEST_ENV) $(PY) -m pytest -n $(JOBS) --dist loadgroup --durations=25 tests
 
 test-fast: assets
 	$(TEST_ENV) $(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not slow and not notebooks" tests

@@ -265,17 +265,19 @@ def ensure(name: str, force: bool = False) -> Path:
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """An asset name or a local Hugging Face directory (e.g. a downloaded Qwen/Qwen3-0.6B) -> its folder."""
+    from nanoengine.errors import ModelNotFoundError
+
     if str(model) in ASSETS:
         path = ensure(str(model))
         if not (path / "config.json").is_file():
             models = [n for n in ASSETS if n != "qwen3-tokenizer"]
-            raise FileNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; use one of {', '.join(models)}")
+            raise ModelNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; use one of {', '.join(models)}")
         return path
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
     hint = "it has no config.json" if path.is_dir() else "no such folder"
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"model {str(model)!r} is neither an asset name ({', '.join(ASSETS)}) nor a local Hugging Face "
         f"model folder ({hint}). Download a checkpoint (e.g. Qwen/Qwen3-0.6B) to a folder and pass its path.")
 

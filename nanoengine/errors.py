@@ -23,3 +23,7 @@ class InvalidTypeError(NanoengineError, TypeError):
 class CheckpointError(InvalidValueError):
     """A model folder that cannot be loaded: a missing, corrupt or truncated file, a missing or mis-shaped
     tensor, an unsupported architecture, or a tokenizer that does not match the model."""
+
+
+class ModelNotFoundError(CheckpointError, FileNotFoundError):
+    """A model that is neither an asset name nor a folder with a config.json (also a FileNotFoundError)."""

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from nanoengine import LLM, SamplingParams, assets
 from nanoengine.errors import CheckpointError, NanoengineError
 
-pytestmark = pytest.mark.xdist_group("tiny")
+pytestmark = pytest.mark.xdist_group("reliability")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = "The paged KV cache"
 
@@ -56,8 +56,8 @@ conversations = st.one_of(anything, st.lists(message, max_size=3), st.lists(st.l
 
 def small_enough(kwargs: dict) -> bool:
     """Valid values big enough to take minutes (n=2**60 completions) are not what this test is about."""
-    big = [kwargs.get(k) for k in ("n", "max_tokens", "min_tokens")]
-    return all(not isinstance(v, int) or isinstance(v, bool) or v <= 40 for v in big)
+    n = kwargs.get("n")
+    return not isinstance(n, int) or isinstance(n, bool) or n <= 4
 
 
 def served_unchanged(llm, baseline):
@@ -66,7 +66,7 @@ def served_unchanged(llm, baseline):
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == baseline
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(kwargs=sampling_kwargs, prompt=prompts, chat=conversations, use_chat=st.booleans())
 def test_random_input_either_works_or_raises_our_error(llm, baseline, kwargs, prompt, chat, use_chat):
@@ -74,7 +74,8 @@ def test_random_input_either_works_or_raises_our_error(llm, baseline, kwargs, pr
         return
     try:
         params = SamplingParams(**kwargs)
-        params.max_tokens = min(params.max_tokens or 8, 8)
+        params.max_tokens = min(params.max_tokens or 4, 4)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
         if use_chat:
             llm.chat(chat, params, use_tqdm=False)
         else:
@@ -248,6 +249,8 @@ def test_soak_short():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("NANOENGINE_SOAK"), reason="the 2,000-request soak takes ~15 min on 2 cores; "
+                    "run it with NANOENGINE_SOAK=1 pytest tests/test_reliability.py -k soak_long -s")
 def test_soak_long():
     results = run_soak(2000)
     first, last = results[0][2], results[-1][2]

@@ -35,6 +35,7 @@ from nanoengine.distributed.workers import Workers, call_on
 from nanoengine.engine.graphs import DecodeGraphs
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.sequence import Sequence
+from nanoengine.errors import InvalidValueError
 from nanoengine.layers.linear import prepack_weights
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.models import get_model_class, hf_config
@@ -141,7 +142,7 @@ class ModelRunner:
             most = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)  # ceil(max_model_len / bs)
             num_blocks = min(num_blocks, most)
             if num_blocks < 1:
-                raise ValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
+                raise InvalidValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
                                  f"gpu_memory_utilization's reservation or set kv_cache_memory_gb")
             if self.tp.size > 1:  # every rank must hold the same blocks: the smallest pool wins
                 num_blocks = int(self.tp.all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
