@@ -228,7 +228,7 @@ def replays_on(runner) -> int:
     return sum(runner.graphs.replays.values())
 
 
-@pytest.mark.xdist_group("tp")
+@pytest.mark.xdist_group("notebooks")  # starts a worker process (see test_tp.py)
 def test_stand_in_under_tensor_parallelism_equals_eager():
     """Two ranks over gloo: each records and replays its own graphs (their all-reduces inside), deciding graph
     or eager from the same step, so they stay in lockstep; tokens == one eager process as the batch shrinks."""

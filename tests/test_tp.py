@@ -19,7 +19,9 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.distributed.workers import WorkerError
 
-pytestmark = [pytest.mark.xdist_group("tp"),
+# the notebooks' group: these tests start extra processes, and run beside a notebook they slowed it ~2x (the
+# notebook test's limit is wall time)
+pytestmark = [pytest.mark.xdist_group("notebooks"),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")]
 
 SHARED = "The paged KV cache stores keys and values in fixed-size blocks, so that " * 2
