@@ -89,7 +89,7 @@ def test_tp2_equals_tp1_token_for_token(regime):
 
 def test_each_rank_holds_its_share_and_the_pools_agree():
     with LLM("tiny-qwen3", tensor_parallel_size=2, kv_cache_memory_gb=0.01) as llm:
-        shapes = llm.collective_rpc(lambda_shapes)
+        shapes = llm.collective_rpc(shard_shapes)
     (rank0, blocks0), (rank1, blocks1) = shapes
     assert rank0["layers.0.self_attn.qkv_proj.weight"] == (128, 64)  # (4 q + 2 k + 2 v heads) * 32 / 2 ranks
     assert rank0["layers.0.self_attn.o_proj.weight"] == (64, 64)  # 128 input columns / 2
@@ -98,7 +98,7 @@ def test_each_rank_holds_its_share_and_the_pools_agree():
     assert rank0 == rank1 and blocks0 == blocks1
 
 
-def lambda_shapes(runner):  # module level: collective_rpc pickles functions by name
+def shard_shapes(runner):  # module level: collective_rpc pickles functions by name
     return {n: tuple(p.shape) for n, p in runner.model.named_parameters()}, runner.num_blocks
 
 

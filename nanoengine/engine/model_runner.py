@@ -235,7 +235,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> list[tuple[Sequence, int]]:
         """Run one step; return (sequence, next token) for every sequence that reached its last token."""
-        step = dataclasses.replace(inp, sample_seqs=[])  # what every rank needs (the sequences stay here)
+        # the workers get what every rank needs; the sequences stay here
+        step = inp if self.workers is None else dataclasses.replace(inp, sample_seqs=[])
         logits = self.call("execute", step, inp.sample_rows)  # [num_sampled, vocab] fp32
         if logits is None:
             return []

@@ -184,6 +184,18 @@ def batch_svg(st: BatchCompositionState, step: int | None = None, width: int = 6
     return "".join(out)
 
 
+def batch_step_html(st: BatchCompositionState, step: int) -> str:
+    """One line on a step's batch: tokens used of the budget, each scheduled sequence, preemptions, finishes."""
+    parts = [f"seq {g.seq_id} {g.kind} {g.tokens}" for g in st.bar(step)]
+    extra = ""
+    if step in st.preempted:
+        extra += f"; preempted seq {', '.join(map(str, st.preempted[step]))}"
+    if step in st.finished:
+        extra += f"; finished seq {', '.join(map(str, st.finished[step]))}"
+    return (f"<div style='{FONT}'>step {step}: {st.totals[step]}/{st.budgets[step]} tokens "
+            f"({', '.join(parts) or 'nothing scheduled'}){extra}</div>")
+
+
 def kv_svg(st: KVUsageState, step: int | None = None, width: int = 640, height: int = 170) -> str:
     """Used and cached-free shares of the pool (areas) and the cumulative prefix-cache hit rate (line)."""
     left, right, top, bottom = 40, 8, 24, 24

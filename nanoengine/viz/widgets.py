@@ -125,14 +125,7 @@ class BatchCompositionView(_StepView):
     def redraw(self) -> None:
         st, s = self.state, self.step
         self._chart.value = html.batch_svg(st, s)
-        parts = [f"seq {g.seq_id} {g.kind} {g.tokens}" for g in st.bar(s)]
-        extra = ""
-        if s in st.preempted:
-            extra += f"; preempted seq {', '.join(map(str, st.preempted[s]))}"
-        if s in st.finished:
-            extra += f"; finished seq {', '.join(map(str, st.finished[s]))}"
-        self._info.value = (f"<div style='{html.FONT}'>step {s}: {st.totals[s]}/{st.budgets[s]} tokens "
-                            f"({', '.join(parts) or 'nothing scheduled'}){extra}</div>")
+        self._info.value = html.batch_step_html(st, s)
 
 
 class KVUsageView(_StepView):
@@ -277,14 +270,7 @@ class ScheduleExplorer(widgets.VBox):
         st, s = self.batch_states[self.key], self.step
         self._batch.value = html.batch_svg(st, s)
         self._lanes.value = html.request_lanes_svg(self.lane_states[self.key], s)
-        parts = [f"seq {g.seq_id} {g.kind} {g.tokens}" for g in st.bar(s)]
-        extra = ""
-        if s in st.preempted:
-            extra += f"; preempted seq {', '.join(map(str, st.preempted[s]))}"
-        if s in st.finished:
-            extra += f"; finished seq {', '.join(map(str, st.finished[s]))}"
-        self._info.value = (f"<div style='{html.FONT}'>step {s}: {st.totals[s]}/{st.budgets[s]} tokens "
-                            f"({', '.join(parts) or 'nothing scheduled'}){extra}</div>")
+        self._info.value = html.batch_step_html(st, s)
 
 
 def show_timeline(trace: RunTrace, tokenizer: Any = None, step: int = 0, interval: int = 600) -> StepTimeline:
