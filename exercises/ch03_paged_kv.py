@@ -4,11 +4,15 @@
 # Generated from solutions/ch03_paged_kv.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 03, book/03_paged_kv.ipynb: the paged KV cache.
 
-Exercise 3.1: the slot mapping: where each new token's K/V goes in the cache.
-Exercise 3.2: when a sequence needs new blocks.
+Exercise 3.1: the slot mapping of a batch: where each new token's K/V goes in the cache.
+Exercise 3.2: the attention metadata of a batch: decode block tables and context lengths, prefill chunks.
 Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
-Exercise 3.5: KV cache bytes per token of a model config.
+Exercise 3.5: paged prefill attention over a cached prefix.
+
+A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
+positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and
+its first seq.num_cached_tokens tokens sit in blocks the prefix cache shares (chapter 04).
 
 Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].
@@ -22,26 +26,31 @@ from typing import Any
 
 import torch
 
-from nanoengine.models.hf_config import head_dim  # head_dim(config) -> the head size of a transformers config
+from nanoengine.attention import AttentionMetadata  # the attention backends' input, see its fields
 
 
-def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Exercise 3.1: the cache slot of each token position start, start+1, ..., end-1 of a sequence.
+def batch_slot_mapping(scheduled: list[Any], block_size: int) -> list[int]:
+    """Exercise 3.1: the cache slot of every new token of a batch, in the flat batch's row order.
 
-    Position p lives in logical block p // block_size, at offset p % block_size; `block_table[i]` is the
-    physical block holding logical block i.
+    Rows: first every sequence with one new token (the decodes), then every sequence with more (the prefill
+    chunks), each group in the batch's order; within a sequence, its positions in order. Position p of a
+    sequence goes to slot block_table[p // block_size] * block_size + p % block_size, or -1 when
+    p < seq.num_cached_tokens (a prefix-cache block already holds its K/V: do not write it).
     """
-    raise NotImplementedError("Exercise 3.1: the cache slot of each token position start, start+1, ..., end-1 of a sequence - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.1: the cache slot of every new token of a batch, in the flat batch's row order - see book/03_paged_kv.ipynb")
 
 
-def new_blocks_needed(num_computed_tokens: int, num_new_tokens: int, num_blocks_held: int,
-                      block_size: int) -> int:
-    """Exercise 3.2: how many more blocks a sequence needs for its next tokens.
+def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetadata:
+    """Exercise 3.2: the AttentionMetadata of a batch, as nanoengine's InputBuilder lays it out.
 
-    The sequence holds `num_blocks_held` blocks and has `num_computed_tokens` tokens cached; it is about to
-    compute `num_new_tokens` more. Return 0 when the blocks it holds have room for them all.
+    slot_mapping: your Exercise 3.1, as an int64 tensor. The decodes (one new token; the first rows):
+    num_decode_seqs; decode_block_tables [num_decodes, max_blocks] int64, each row the sequence's block table
+    padded with 0 to the longest one; decode_context_lens [num_decodes] int64, the tokens each attends over,
+    the new one included (None and None when there are no decodes). The prefill chunks, as lists in row
+    order: prefill_query_starts (the chunk's first row in the flat batch), prefill_query_lens (its new
+    tokens), prefill_context_lens (cached prefix + new tokens), prefill_block_tables (an int64 tensor each).
     """
-    raise NotImplementedError("Exercise 3.2: how many more blocks a sequence needs for its next tokens - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.2: the AttentionMetadata of a batch, as nanoengine's InputBuilder lays it out - see book/03_paged_kv.ipynb")
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,7 +58,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Exercise 3.3: write token i's key and value into cache slot slots[i], in place.
 
     k, v [T, KVH, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; slots [T] int64, where -1 means
-    "already cached, do not write". Nothing else in the cache may change.
+    "do not write" (a prefix-cache block already holds the token's K/V, or the row is padding). Nothing else
+    in the cache may change.
     """
     raise NotImplementedError("Exercise 3.3: write token i's key and value into cache slot slots[i], in place - see book/03_paged_kv.ipynb")
 
@@ -66,10 +76,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     raise NotImplementedError("Exercise 3.4: attention of one new query token per sequence over that sequence's cached tokens - see book/03_paged_kv.ipynb")
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Exercise 3.5: bytes of KV cache one token occupies: a key and a value vector per KV head per layer.
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """Exercise 3.5: causal attention of a prefill chunk over its sequence's cached prefix and itself.
 
-    Use config.num_hidden_layers, .num_key_value_heads and the head size head_dim(config) (config.head_dim,
-    or hidden_size // num_attention_heads when the config has none).
+    q [q_len, H, D]: the queries of positions context_len - q_len .. context_len - 1 of one sequence, whose
+    K/V (the prefix's and the chunk's own) are already stored in the cache; block_table [num_blocks] int64.
+    Query i may see positions 0 .. context_len - q_len + i. Scores in float32, query head h uses kv head
+    h // (H // KVH). Returns [q_len, H, D] in q's dtype.
     """
-    raise NotImplementedError("Exercise 3.5: bytes of KV cache one token occupies: a key and a value vector per KV head per layer - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.5: causal attention of a prefill chunk over its sequence's cached prefix and itself - see book/03_paged_kv.ipynb")

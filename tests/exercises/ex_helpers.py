@@ -1,7 +1,11 @@
-"""Comparisons for the exercise tests whose failure messages say what differs and where to read."""
+"""Comparisons for the exercise tests whose failure messages say what differs and where to read, and the
+naming of classic mistakes: a test computes the wrong variants, says "this looks like ..." when the learner's
+answer matches one (`explained`), and checks first that its checker names each of them (`assert_detects`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -55,3 +59,52 @@ def assert_close(got: Any, want: torch.Tensor, what: str, where: str, atol: floa
             f"{what}: {int(bad.sum())} of {bad.numel()} values differ, max abs error {float(err.max()):.3g} "
             f"(tolerance {atol:g} + {rtol:g} * |expected|); first wrong index {idx}: yours "
             f"{float(g[idx]):.6g}, expected {float(w[idx]):.6g} {where}")
+
+
+def same_answer(a: Any, b: Any, atol: float = 1e-5, rtol: float = 1e-5) -> bool:
+    """Whether two answers agree: tensors of one shape within tolerance, anything else by ==."""
+    if isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and a.shape == b.shape
+                and bool(torch.allclose(a.detach().double(), b.detach().double(), atol=atol, rtol=rtol)))
+    return a == b
+
+
+def looks_like(got: Any, variants: dict[str, Callable[[], Any]], same: Callable[[Any, Any], bool] = same_answer) -> str:
+    """" This looks like <mistake>." for every classic mistake (its description -> a function computing that
+    wrong answer) whose answer equals the learner's; "" when none does."""
+    named = []
+    for description, compute in variants.items():
+        try:
+            wrong = compute()
+        except Exception:  # a variant that cannot run on this input is not the learner's answer
+            continue
+        if same(got, wrong):
+            named.append(description)
+    return "".join(f" This looks like {d}." for d in named)
+
+
+@contextmanager
+def explained(got: Any, variants: dict[str, Callable[[], Any]],
+              same: Callable[[Any, Any], bool] = same_answer) -> Iterator[None]:
+    """`with explained(got, variants): <assertions about got>`: when they fail, add which classic mistake
+    `got` matches."""
+    try:
+        yield
+    except AssertionError as e:
+        hint = looks_like(got, variants, same)
+        if not hint:
+            raise
+        raise AssertionError(f"{e}{hint}") from None
+
+
+def assert_detects(checker: Callable[[Callable], None], wrong: Callable, phrase: str) -> None:
+    """The test checks itself first: its checker, run on a classic wrong answer, must fail with a message
+    that names the mistake (`phrase`). A failure here is a bug in the test, not in the learner's code."""
+    try:
+        checker(wrong)
+    except AssertionError as e:
+        if phrase not in str(e):
+            raise AssertionError(f"test bug: the check of the wrong answer {wrong.__name__} fails without saying "
+                                 f"{phrase!r}: {e}") from None
+        return
+    raise AssertionError(f"test bug: the check passes on the wrong answer {wrong.__name__}")

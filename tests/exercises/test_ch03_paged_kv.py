@@ -1,16 +1,22 @@
-"""Exercises of book/03_paged_kv.ipynb, checked against nanoengine's model runner, block manager and
-torch attention backend on seeded random inputs."""
+"""Exercises of book/03_paged_kv.ipynb, checked against nanoengine's InputBuilder (on every step of the real
+Scheduler over seeded workloads) and torch attention backend (on seeded random caches). A wrong answer is
+also compared with the classic mistakes (writing slots a prefix-cache block holds, `repeat` for GQA, a causal
+mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test first
+checks that its own checker names them."""
 
 from __future__ import annotations
 
+import functools
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
-from ex_helpers import assert_close, assert_equal, assert_same_list, book
+from ex_helpers import assert_close, assert_detects, assert_equal, book, explained
 
+from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence
 from nanoengine.sampling_params import SamplingParams
 
@@ -19,49 +25,175 @@ pytestmark = pytest.mark.xdist_group("ex_ch03")
 NB = "03_paged_kv.ipynb"
 
 
-def engine_slots(block_table, start, end, block_size):
-    """The slot mapping nanoengine's InputBuilder builds for one sequence computing [start, end)."""
-    from nanoengine.engine.inputs import InputBuilder
-    from nanoengine.engine.scheduler import ScheduledSeq
+# ------------------------------------------------------------------------------------------ batches
+@functools.cache
+def engine_batches() -> tuple:
+    """Every step's batch of the engine's Scheduler on seeded workloads (shared prefixes, repeated prompts
+    that hit up to their last token, chunked prefills, decodes), frozen as (batch, block size, the
+    InputBuilder's layout). A batch is a list of ScheduledSeq over copies of the sequences at that step."""
+    import copy
 
-    seq = Sequence(list(range(end)), SamplingParams(), block_size)
-    seq.block_table = list(block_table)
-    seq.num_computed_tokens = start
-    inp = InputBuilder(block_size).build([ScheduledSeq(seq, end - start, end - start > 1)])
-    return inp.attn.slot_mapping.tolist()
+    batches = []
+    for seed, bs, budget, num_blocks in [(31, 4, 24, 120), (32, 8, 40, 80), (33, 1, 16, 400)]:
+        rng = random.Random(seed)
+        cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=256)
+        sched = Scheduler(cfg, BlockManager(num_blocks, bs), eos_token_ids=set())
+        prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randint(bs, 4 * bs))] for _ in range(2)]
+        seen: list[list[int]] = []
+        for _ in range(40):
+            if rng.random() < 0.35 or not sched.has_unfinished():
+                for _ in range(rng.randint(1, 3)):
+                    if seen and rng.random() < 0.3:
+                        ids = list(rng.choice(seen))  # a repeat: a whole-block prompt hits up to its last token
+                    else:
+                        ids = (list(rng.choice(prefixes)) if rng.random() < 0.6 else []) + \
+                              [rng.randrange(10, 1000) for _ in range(rng.randint(1, 3 * bs))]
+                        if rng.random() < 0.4:
+                            ids = ids[: max(bs, len(ids) // bs * bs)]
+                        seen.append(ids)
+                    sched.add(Sequence(ids, SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True), bs))
+            out = sched.schedule()
+            if out.scheduled:
+                batch = copy.deepcopy(out.scheduled)
+                batches.append((batch, bs, InputBuilder(bs).build(batch)))
+            sched.postprocess(out, [(s.seq, rng.randrange(10, 1000)) for s in out.scheduled
+                                    if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens])
+    return tuple(batches)
 
 
-def test_3_1_slot_mapping_matches_input_builder(ex):
+def describe(batch) -> str:
+    return "; ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from position {s.seq.num_computed_tokens} "
+                     f"(cached {s.seq.num_cached_tokens}, table {s.seq.block_table})" for s in batch)
+
+
+def groups(batch, mode: str = "engine") -> tuple[list, list]:
+    if mode == "batch_order":
+        return [], list(batch)
+    if mode == "is_prefill":
+        return [s for s in batch if not s.is_prefill], [s for s in batch if s.is_prefill]
+    return [s for s in batch if s.num_new_tokens == 1], [s for s in batch if s.num_new_tokens > 1]
+
+
+def variant_slots(batch, bs: int, mode: str) -> list[int]:
+    """The slot mapping with one classic mistake."""
+    slots = []
+    for group in groups(batch, mode):
+        for s in group:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            for p in range(start, start + s.num_new_tokens):
+                slot = seq.block_table[p // bs] * bs + p % bs
+                if mode == "chunk_positions":
+                    q = p - start
+                    slot = seq.block_table[q // bs] * bs + q % bs
+                slots.append(-1 if p < seq.num_cached_tokens and mode != "write_cached" else slot)
+    return slots
+
+
+SLOT_MISTAKES = {
+    "write_cached": "writing K/V for positions a prefix-cache block already holds: their slot is -1 "
+                    "(p < seq.num_cached_tokens), a shared block must not be written",
+    "batch_order": "keeping the batch's order: the decodes (one new token) come first, then the prefill chunks",
+    "is_prefill": "grouping by is_prefill: group by num_new_tokens == 1 (a prompt that hit the prefix cache up "
+                  "to its last token computes one token and is laid out as a decode)",
+    "chunk_positions": "counting positions from the start of the chunk: position p is the token's index in its "
+                       "sequence, from seq.num_computed_tokens",
+}
+
+
+def check_slot_mapping(fn, where: str) -> None:
+    seen = {"-1": 0, "decode": 0, "chunk": 0, "one-token prefill": 0}
+    for batch, bs, inp in engine_batches():
+        want = inp.attn.slot_mapping.tolist()
+        got = fn(list(batch), bs)
+        got = got.tolist() if isinstance(got, torch.Tensor) else got
+        got = list(got) if isinstance(got, (list, tuple)) else got
+        with explained(got, {d: functools.partial(variant_slots, batch, bs, m) for m, d in SLOT_MISTAKES.items()}):
+            assert_equal(got, want, f"slot mapping (block_size={bs}) of the batch [{describe(batch)}]", where)
+        seen["-1"] += -1 in want
+        seen["decode"] += inp.attn.num_decode_seqs > 0
+        seen["chunk"] += bool(inp.attn.prefill_query_lens)
+        seen["one-token prefill"] += any(s.is_prefill and s.num_new_tokens == 1 for s in batch)
+    assert all(seen.values()), f"test bug: the batches should cover every case: {seen}"
+
+
+def test_3_1_batch_slot_mapping_matches_input_builder(ex):
     where = book(NB, "3.1")
-    rng = random.Random(31)
-    for block_size in (1, 4, 16):
-        for _ in range(20):
-            end = rng.randint(1, 100)
-            start = rng.choice([0, end - 1, rng.randint(0, end - 1)])
-            table = rng.sample(range(200), -(-end // block_size))
-            want = engine_slots(table, start, end, block_size)
-            got = ex.slot_mapping(table, start, end, block_size)
-            assert_same_list(got, want, f"slots of positions {start}..{end - 1} with block_size={block_size} and "
-                             f"block table {table}", where)
+    for mode, description in SLOT_MISTAKES.items():
+        def wrong(batch, bs, mode=mode):
+            return variant_slots(batch, bs, mode)
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_slot_mapping(fn, where), wrong, description)
+    check_slot_mapping(ex.batch_slot_mapping, where)
 
 
-def test_3_2_new_blocks_needed_matches_block_manager(ex):
+def metadata_fields(meta) -> dict:
+    """The fields of an AttentionMetadata as plain lists (tensors also report their dtype)."""
+    def plain(t):
+        return None if t is None else (t.tolist(), t.dtype) if isinstance(t, torch.Tensor) else t
+    return {"slot_mapping": plain(meta.slot_mapping), "num_decode_seqs": meta.num_decode_seqs,
+            "decode_block_tables": plain(meta.decode_block_tables),
+            "decode_context_lens": plain(meta.decode_context_lens),
+            "prefill_query_starts": list(meta.prefill_query_starts), "prefill_query_lens": list(meta.prefill_query_lens),
+            "prefill_context_lens": list(meta.prefill_context_lens),
+            "prefill_block_tables": [plain(t) for t in meta.prefill_block_tables], "block_size": meta.block_size}
+
+
+def variant_meta(batch, bs: int, mode: str) -> dict:
+    """The metadata fields with one classic mistake (the engine's slots)."""
+    decodes, prefills = groups(batch)
+    want = metadata_fields(InputBuilder(bs).build(batch).attn)
+    if mode == "context_without_new" and decodes:
+        want["decode_context_lens"] = ([s.seq.num_computed_tokens for s in decodes], torch.int64)
+    elif mode == "context_is_chunk":
+        want["prefill_context_lens"] = [s.num_new_tokens for s in prefills]
+    elif mode == "starts_from_zero":
+        starts, row = [], 0
+        for s in prefills:
+            starts.append(row)
+            row += s.num_new_tokens
+        want["prefill_query_starts"] = starts
+    return want
+
+
+META_MISTAKES = {
+    "context_without_new": "leaving the new token out of a decode's context length: it attends over "
+                           "num_computed_tokens + 1 tokens, itself included",
+    "context_is_chunk": "giving a prefill chunk only its own length as context: it also attends over the cached "
+                        "prefix, context = num_computed_tokens + num_new_tokens",
+    "starts_from_zero": "counting the prefill query starts from row 0: the decode rows come first, so the first "
+                        "chunk starts at row num_decode_seqs",
+}
+
+
+def check_metadata(fn, where: str) -> None:
+    from nanoengine.attention import AttentionMetadata
+
+    for batch, bs, inp in engine_batches():
+        meta = fn(list(batch), bs)
+        if not isinstance(meta, AttentionMetadata):
+            raise AssertionError(f"attention_metadata must return an AttentionMetadata, got {type(meta).__name__} "
+                                 f"{where}")
+        got, want = metadata_fields(meta), metadata_fields(inp.attn)
+        with explained(got, {d: functools.partial(variant_meta, batch, bs, m) for m, d in META_MISTAKES.items()}):
+            for key, value in want.items():
+                assert_equal(got[key], value, f"{key} of the batch [{describe(batch)}] (block_size={bs})", where)
+
+
+def test_3_2_attention_metadata_matches_input_builder(ex):
+    from nanoengine.attention import AttentionMetadata
+
     where = book(NB, "3.2")
-    rng = random.Random(32)
-    cases = [(0, 16, 16), (0, 17, 16), (16, 1, 16), (15, 1, 16), (31, 2, 16), (5, 0, 4)]
-    cases += [(rng.randint(0, 60), rng.randint(0, 40), rng.choice([1, 2, 4, 16])) for _ in range(100)]
-    for computed, new, bs in cases:
-        bm = BlockManager(128, bs)
-        seq = Sequence(list(range(computed + new + 1)), SamplingParams(), bs)
-        bm.allocate(seq, computed)  # the blocks it holds for its cached tokens
-        seq.num_computed_tokens = computed
-        held = len(seq.block_table)
-        want = len(bm.allocate(seq, new))
-        got = ex.new_blocks_needed(computed, new, held, bs)
-        assert_equal(got, want, f"new blocks for {new} more tokens after {computed} cached, holding {held} blocks "
-                     f"of {bs}", where)
+    for mode, description in META_MISTAKES.items():
+        def wrong(batch, bs, mode=mode):
+            return AttentionMetadata(**{k: (torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else
+                                            [torch.tensor(t[0], dtype=t[1]) for t in v] if k == "prefill_block_tables"
+                                            else v) for k, v in variant_meta(batch, bs, mode).items()})
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_metadata(fn, where), wrong, description)
+    check_metadata(ex.attention_metadata, where)
 
 
+# ------------------------------------------------------------------------------------------ store, attention
 def engine_permutation() -> list[int]:
     """How the torch backend orders a layer's cache dimensions, relative to the exercises' layout
     [num_blocks, block_size, KVH, D] (the backend may store heads first: see kv_cache_shape)."""
@@ -83,40 +215,79 @@ def from_engine(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(*[perm.index(i) for i in range(4)])
 
 
-def test_3_3_store_kv_matches_engine_store(ex):
+def wrong_store_minus_one(k, v, k_cache, v_cache, slots):
+    """Writes every row, the -1 ones too (Python's -1 is the cache's last slot)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+
+
+def check_store(fn, where: str) -> None:
     from nanoengine.attention.torch_backend import store_kvcache
 
-    where = book(NB, "3.3")
     gen = torch.Generator().manual_seed(33)
     for num_blocks, bs, kvh, d, T in [(8, 4, 2, 8, 10), (5, 16, 1, 4, 33), (20, 1, 3, 2, 7)]:
         k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen)
         v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen)
         k = torch.randn(T, kvh, d, generator=gen)
         v = torch.randn(T, kvh, d, generator=gen)
-        slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
-        slots[torch.rand(T, generator=gen) < 0.2] = -1  # some tokens already cached: skip them
+        slots = torch.randperm(num_blocks * bs - 1, generator=gen)[:T]
+        slots[torch.rand(T, generator=gen) < 0.2] = -1  # prefix-cache hits or padding rows: skip them
+        slots[0] = -1
         want_k, want_v = to_engine(k_cache), to_engine(v_cache)
         store_kvcache(k, v, want_k, want_v, slots)
         want_k, want_v = from_engine(want_k), from_engine(want_v)
-        ex.store_kv(k, v, k_cache, v_cache, slots)
+        fn(k, v, k_cache, v_cache, slots)
         shape = f"cache [{num_blocks}, {bs}, {kvh}, {d}], {T} tokens, slots {slots.tolist()}"
-        assert_close(k_cache, want_k, f"k_cache after the store ({shape})", where, atol=0, rtol=0)
-        assert_close(v_cache, want_v, f"v_cache after the store ({shape})", where, atol=0, rtol=0)
+        hint = ("" if torch.equal(k_cache[-1, -1], want_k[-1, -1]) else
+                " This looks like writing the rows whose slot is -1: in Python, index -1 is the cache's last "
+                "slot; keep only slots >= 0.")
+        for got, want, name in [(k_cache, want_k, "k_cache"), (v_cache, want_v, "v_cache")]:
+            assert_close(got, want, f"{name} after the store ({shape})", hint + " " + where, atol=0, rtol=0)
 
 
-def dense_decode(q, k, v, scale):
-    """Reference: one query per sequence over contiguous K/V [n, KVH, D], in float64."""
-    group = q.shape[0] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
-    probs = (torch.einsum("hd,nhd->hn", q.double(), k) * scale).softmax(-1)
-    return torch.einsum("hn,nhd->hd", probs, v)
+def test_3_3_store_kv_matches_engine_store(ex):
+    where = book(NB, "3.3")
+    assert_detects(lambda fn: check_store(fn, where), wrong_store_minus_one, "writing the rows whose slot is -1")
+    check_store(ex.store_kv, where)
 
 
-@pytest.mark.parametrize("block_size,heads,kv_heads", [(4, 4, 2), (16, 9, 3), (1, 2, 2)])
-def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads):
+def expand(k: torch.Tensor, heads: int, mode: str) -> torch.Tensor:
+    """K or V [n, KVH, D] -> [n, H, D]: query head h reads kv head h // group (or h % KVH with `repeat`)."""
+    group = heads // k.shape[1]
+    return k.repeat(1, group, 1) if mode == "repeat" else k.repeat_interleave(group, 1)
+
+
+def dense(q, k, v, scale, visible, mode: str = "engine"):
+    """Reference attention in float64: q [n_q, H, D], k, v [n_k, KVH, D], visible [n_q, n_k] bool."""
+    heads = q.shape[1]
+    k, v = expand(k, heads, mode).double(), expand(v, heads, mode).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def variant_decode(q, k_cache, v_cache, tables, lens, scale, mode: str):
+    bs = k_cache.shape[1]
+    out = []
+    for b, n in enumerate(lens):
+        used = -(-n // bs)
+        k = k_cache[tables[b]].flatten(0, 1)[: used * bs if mode == "whole_blocks" else n]
+        v = v_cache[tables[b]].flatten(0, 1)[: used * bs if mode == "whole_blocks" else n]
+        out.append(dense(q[b:b + 1], k, v, scale, torch.ones(1, len(k), dtype=torch.bool), mode)[0])
+    return torch.stack(out).to(q.dtype)
+
+
+DECODE_MISTAKES = {
+    "repeat": "`repeat` for grouped-query heads: query head h reads kv head h // (H // KVH), which "
+              "`repeat_interleave(H // KVH, dim=1)` gives (`repeat` gives h % KVH)",
+    "whole_blocks": "attending over every slot of the sequence's last block: only the first context_lens[b] "
+                    "tokens are its context; the rest of the block is junk",
+}
+
+
+def check_decode(fn, block_size, heads, kv_heads, where: str) -> None:
     from nanoengine.attention.torch_backend import decode_attention
 
-    where = book(NB, "3.4")
     gen = torch.Generator().manual_seed(34 + block_size)
     D, num_blocks, scale = 16, 160, 16 ** -0.5
     lens = [1, 5, 37, block_size * 3, 23]
@@ -128,36 +299,110 @@ def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads
     block_tables = torch.tensor([t + [free[0]] * (width - len(t)) for t in tables])  # junk padding
     context_lens = torch.tensor(lens)
     q = torch.randn(len(lens), heads, D, generator=gen)
-    got = ex.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    got = fn(q, k_cache, v_cache, block_tables, context_lens, scale)
     engine = decode_attention(q, to_engine(k_cache), to_engine(v_cache), block_tables, context_lens, scale)
-    assert_close(got, engine, f"decode attention vs nanoengine (block_size={block_size}, lens {lens})", where,
-                 atol=1e-5)
+    variants = {d: functools.partial(variant_decode, q, k_cache, v_cache, tables, lens, scale, m)
+                for m, d in DECODE_MISTAKES.items()}
+    with explained(got, variants):
+        assert_close(got, engine, f"decode attention vs nanoengine (block_size={block_size}, {heads} heads, "
+                     f"{kv_heads} kv heads, lens {lens})", where, atol=1e-5)
     for b, (n, table) in enumerate(zip(lens, tables)):
         k = torch.cat([k_cache[t] for t in table])[:n]  # the sequence's K, contiguous
         v = torch.cat([v_cache[t] for t in table])[:n]
-        assert_close(got[b].double(), dense_decode(q[b], k, v, scale),
-                     f"sequence {b} (length {n}, blocks {table}) vs dense attention", where, atol=1e-5)
+        want = dense(q[b:b + 1], k, v, scale, torch.ones(1, n, dtype=torch.bool))[0]
+        assert_close(got[b].double(), want, f"sequence {b} (length {n}, blocks {table}) vs dense attention", where,
+                     atol=1e-5)
 
 
-def test_3_5_kv_bytes_per_token_matches_the_engine(ex):
-    from transformers import LlamaConfig, Qwen3Config
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(4, 4, 2), (16, 9, 3), (1, 2, 2)])
+def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads):
+    where = book(NB, "3.4")
+    if kv_heads < heads:
+        for mode, description in DECODE_MISTAKES.items():
+            def wrong(q, kc, vc, tables, lens, scale, mode=mode):
+                bs = kc.shape[1]
+                rows = [[int(b) for b in t[: -(-int(n) // bs)]] for t, n in zip(tables, lens)]
+                return variant_decode(q, kc, vc, rows, [int(n) for n in lens], scale, mode)
+            wrong.__name__ = mode
+            assert_detects(lambda fn: check_decode(fn, block_size, heads, kv_heads, where), wrong,
+                           description)
+    check_decode(ex.paged_decode_attention, block_size, heads, kv_heads, where)
 
-    from nanoengine import assets
-    from nanoengine.models.hf_config import kv_bytes_per_token
 
+def engine_prefill(q, k_new, v_new, k_cache, v_cache, table, context_len, scale):
+    """The torch backend's forward on one prefill chunk (store, then attend over prefix + chunk), on copies of
+    caches in the exercises' layout."""
+    from nanoengine.attention import AttentionMetadata
+    from nanoengine.attention.torch_backend import TorchAttention
+
+    q_len, heads, d = q.shape
+    bs = k_cache.shape[1]
+    attn = TorchAttention(heads, k_cache.shape[2], d, scale)
+    attn.k_cache, attn.v_cache = to_engine(k_cache), to_engine(v_cache)
+    positions = range(context_len - q_len, context_len)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions])
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_seqs=0, decode_block_tables=None,
+                             decode_context_lens=None, prefill_query_starts=[0], prefill_query_lens=[q_len],
+                             prefill_context_lens=[context_len], prefill_block_tables=[torch.tensor(table)],
+                             block_size=bs)
+    out = attn(q, k_new, v_new, meta)
+    return out, from_engine(attn.k_cache), from_engine(attn.v_cache)
+
+
+def variant_prefill(q, k_cache, v_cache, table, context_len, scale, mode: str):
+    q_len = q.shape[0]
+    k = torch.cat([k_cache[t] for t in table])[:context_len]
+    v = torch.cat([v_cache[t] for t in table])[:context_len]
+    if mode == "chunk_only":
+        k, v = k[context_len - q_len:], v[context_len - q_len:]
+    n_k = k.shape[0]
+    shift = 0 if mode == "unshifted" else n_k - q_len
+    visible = torch.arange(n_k)[None, :] <= torch.arange(q_len)[:, None] + shift
+    return dense(q, k, v, scale, visible, "repeat" if mode == "repeat" else "engine").to(q.dtype)
+
+
+PREFILL_MISTAKES = {
+    "unshifted": "a causal mask that is not shifted by the cached prefix: query i is position "
+                 "context_len - q_len + i and sees every position up to that one",
+    "chunk_only": "attention over the chunk's own tokens only: the cached prefix is part of every query's context",
+    "repeat": "`repeat` for grouped-query heads: query head h reads kv head h // (H // KVH)",
+}
+
+
+PREFILL_CASES = [  # block_size, heads, kv_heads, prefix (cached) tokens, chunk tokens
+    (4, 4, 2, 8, 5), (4, 4, 2, 6, 7), (16, 9, 3, 37, 12), (1, 2, 2, 5, 3), (4, 4, 1, 0, 9), (8, 4, 2, 13, 1),
+]
+
+
+def check_prefill(fn, where: str) -> None:
+    gen = torch.Generator().manual_seed(35)
+    D, num_blocks, scale = 8, 64, 8 ** -0.5
+    for bs, heads, kv_heads, prefix, q_len in PREFILL_CASES:
+        ctx = prefix + q_len
+        k_cache = torch.randn(num_blocks, bs, kv_heads, D, generator=gen)
+        v_cache = torch.randn(num_blocks, bs, kv_heads, D, generator=gen)
+        table = torch.randperm(num_blocks, generator=gen)[: -(-ctx // bs)].tolist()
+        q = torch.randn(q_len, heads, D, generator=gen)
+        k_new = torch.randn(q_len, kv_heads, D, generator=gen)
+        v_new = torch.randn(q_len, kv_heads, D, generator=gen)
+        want, k_cache, v_cache = engine_prefill(q, k_new, v_new, k_cache, v_cache, table, ctx, scale)
+        got = fn(q, k_cache.clone(), v_cache.clone(), torch.tensor(table), ctx, scale)
+        what = (f"prefill attention of a {q_len}-token chunk after {prefix} cached tokens (block_size={bs}, "
+                f"{heads} heads, {kv_heads} kv heads, blocks {table})")
+        variants = {d: functools.partial(variant_prefill, q, k_cache, v_cache, table, ctx, scale, m)
+                    for m, d in PREFILL_MISTAKES.items()}
+        with explained(got, variants):
+            assert_close(got, want, what + " vs nanoengine's torch backend", where, atol=1e-5)
+        visible = torch.arange(ctx)[None, :] <= torch.arange(prefix, ctx)[:, None]
+        k, v = torch.cat([k_cache[t] for t in table])[:ctx], torch.cat([v_cache[t] for t in table])[:ctx]
+        assert_close(got.double(), dense(q, k, v, scale, visible), what + " vs dense attention", where, atol=1e-5)
+
+
+def test_3_5_paged_prefill_over_a_cached_prefix(ex):
     where = book(NB, "3.5")
-    configs = {
-        "tiny-qwen3": Qwen3Config(**assets.TINY_QWEN3_DIMS),
-        "Qwen3-0.6B": Qwen3Config(**assets.QWEN3_06B_DIMS),
-        "SmolLM2-135M": LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                                    num_hidden_layers=30, intermediate_size=1536),
-        "no head_dim": SimpleNamespace(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
-                                       num_hidden_layers=6),
-        "head_dim None": SimpleNamespace(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
-                                         num_hidden_layers=3, head_dim=None),
-    }
-    for name, config in configs.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            want = kv_bytes_per_token(config, dtype.itemsize)  # what the model runner sizes its cache with
-            got = ex.kv_bytes_per_token(config, dtype)
-            assert_equal(got, want, f"KV bytes per token of {name} in {dtype}", where)
+    for mode, description in PREFILL_MISTAKES.items():
+        def wrong(q, kc, vc, table, ctx, scale, mode=mode):
+            return variant_prefill(q, kc, vc, table.tolist(), ctx, scale, mode)
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_prefill(fn, where), wrong, description)
+    check_prefill(ex.paged_prefill_attention, where)
