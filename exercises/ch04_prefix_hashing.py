@@ -8,8 +8,10 @@ Exercise 4.1: the chained hash of every full block of a token sequence.
 Exercise 4.2: how many tokens of a new prompt the prefix cache already holds.
 Exercise 4.3: allocate a prompt's blocks, reusing cached blocks (ref counts, revived free blocks).
 Exercise 4.4: free a sequence's blocks, keeping their hashes for later hits (LRU order).
+Exercise 4.5: admit prompts in one step: same-step sharing and last-token recompute.
 
 `block_hash` is given: the exact hash nanoengine uses, so your results can be compared with the engine's.
+4.1-4.4 build a small model of the engine's BlockManager; 4.5 drives the engine's own BlockManager.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
+from typing import Any
 
 import xxhash
 
@@ -89,3 +92,20 @@ class PrefixCachingAllocator:
         hash_to_block entry), so a later prompt can still hit them until they are reused.
         """
         raise NotImplementedError("Exercise 4.4: drop one sequence's references to its blocks; return the blocks that became free - see book/04_prefix_hashing.ipynb")
+
+
+def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, int]]:
+    """Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does.
+
+    `bm` is a nanoengine BlockManager, `waiting` new Sequences (empty block tables), in order; `budget` the
+    tokens this step may compute. For each sequence, while budget is left:
+      1. hits = bm.match_prefix(seq) (it attaches the hit blocks); seq.num_cached_tokens = hits; the sequence
+         computes from min(hits, seq.num_tokens - 1): the last prompt token is always computed, for its logits;
+      2. n = its remaining tokens, capped by the budget; if bm.can_allocate(seq, n) is False, undo the hit
+         (bm.free(seq), num_computed_tokens = num_cached_tokens = 0) and try the next sequence;
+      3. bm.allocate(seq, n), then register the blocks this step fills, now, before the next sequence is
+         admitted (bm.cache_full_blocks(seq, seq.num_computed_tokens + n)): an identical prompt admitted later
+         in the same step shares them.
+    Return [(seq, n)] for the admitted sequences, in order (leave num_computed_tokens at the step's start).
+    """
+    raise NotImplementedError("Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does - see book/04_prefix_hashing.ipynb")

@@ -98,8 +98,9 @@ def explained(got: Any, variants: dict[str, Callable[[], Any]],
 
 
 def assert_detects(checker: Callable[[Callable], None], wrong: Callable, phrase: str) -> None:
-    """The test checks itself first: its checker, run on a classic wrong answer, must fail with a message
-    that names the mistake (`phrase`). A failure here is a bug in the test, not in the learner's code."""
+    """The test checks itself (after the learner's answer, so an untouched stub fails at once): its checker, run
+    on a classic wrong answer, must fail with a message that names the mistake (`phrase`). A failure here is a
+    bug in the test, not in the learner's code."""
     try:
         checker(wrong)
     except AssertionError as e:

@@ -1,7 +1,7 @@
 """Exercises of book/03_paged_kv.ipynb, checked against nanoengine's InputBuilder (on every step of the real
 Scheduler over seeded workloads) and torch attention backend (on seeded random caches). A wrong answer is
 also compared with the classic mistakes (writing slots a prefix-cache block holds, `repeat` for GQA, a causal
-mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test first
+mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test also
 checks that its own checker names them."""
 
 from __future__ import annotations
@@ -118,12 +118,12 @@ def check_slot_mapping(fn, where: str) -> None:
 
 def test_3_1_batch_slot_mapping_matches_input_builder(ex):
     where = book(NB, "3.1")
+    check_slot_mapping(ex.batch_slot_mapping, where)
     for mode, description in SLOT_MISTAKES.items():
         def wrong(batch, bs, mode=mode):
             return variant_slots(batch, bs, mode)
         wrong.__name__ = mode
         assert_detects(lambda fn: check_slot_mapping(fn, where), wrong, description)
-    check_slot_mapping(ex.batch_slot_mapping, where)
 
 
 def metadata_fields(meta) -> dict:
@@ -247,8 +247,8 @@ def check_store(fn, where: str) -> None:
 
 def test_3_3_store_kv_matches_engine_store(ex):
     where = book(NB, "3.3")
-    assert_detects(lambda fn: check_store(fn, where), wrong_store_minus_one, "writing the rows whose slot is -1")
     check_store(ex.store_kv, where)
+    assert_detects(lambda fn: check_store(fn, where), wrong_store_minus_one, "writing the rows whose slot is -1")
 
 
 def expand(k: torch.Tensor, heads: int, mode: str) -> torch.Tensor:
@@ -317,6 +317,7 @@ def check_decode(fn, block_size, heads, kv_heads, where: str) -> None:
 @pytest.mark.parametrize("block_size,heads,kv_heads", [(4, 4, 2), (16, 9, 3), (1, 2, 2)])
 def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads):
     where = book(NB, "3.4")
+    check_decode(ex.paged_decode_attention, block_size, heads, kv_heads, where)
     if kv_heads < heads:
         for mode, description in DECODE_MISTAKES.items():
             def wrong(q, kc, vc, tables, lens, scale, mode=mode):
@@ -326,7 +327,6 @@ def test_3_4_paged_decode_attention_equals_dense(ex, block_size, heads, kv_heads
             wrong.__name__ = mode
             assert_detects(lambda fn: check_decode(fn, block_size, heads, kv_heads, where), wrong,
                            description)
-    check_decode(ex.paged_decode_attention, block_size, heads, kv_heads, where)
 
 
 def engine_prefill(q, k_new, v_new, k_cache, v_cache, table, context_len, scale):
@@ -400,9 +400,9 @@ def check_prefill(fn, where: str) -> None:
 
 def test_3_5_paged_prefill_over_a_cached_prefix(ex):
     where = book(NB, "3.5")
+    check_prefill(ex.paged_prefill_attention, where)
     for mode, description in PREFILL_MISTAKES.items():
         def wrong(q, kc, vc, table, ctx, scale, mode=mode):
             return variant_prefill(q, kc, vc, table.tolist(), ctx, scale, mode)
         wrong.__name__ = mode
         assert_detects(lambda fn: check_prefill(fn, where), wrong, description)
-    check_prefill(ex.paged_prefill_attention, where)

@@ -1,15 +1,23 @@
 """Exercises of book/04_prefix_hashing.ipynb, checked against nanoengine's BlockManager (its chained
-xxhash, prefix matching, ref counts and LRU free list) on seeded random workloads."""
+xxhash, prefix matching, ref counts and LRU free list) and Scheduler (admission) on seeded random workloads.
+A wrong answer is also compared with the classic mistakes (the LRU ends swapped, a MemoryError check that
+forgets the cached free blocks a hit revives, blocks registered only after the step, no last-token
+recompute), so the message can say which one it looks like; each test also checks that it names them."""
 
 from __future__ import annotations
 
 import copy
 import random
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
-from ex_helpers import assert_equal, assert_same_list, book
+from ex_helpers import assert_detects, assert_equal, assert_same_list, book
 
+from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence
 from nanoengine.sampling_params import SamplingParams
 
@@ -105,6 +113,11 @@ def state_of(bm: BlockManager) -> dict:
             "free_blocks": list(bm.free_block_ids), "hash_to_block": dict(bm.hash_to_block_id)}
 
 
+def alloc_state(alloc) -> dict:
+    return {"ref_count": list(alloc.ref_count), "block_hash": list(alloc.block_hash),
+            "free_blocks": list(alloc.free_blocks), "hash_to_block": dict(alloc.hash_to_block)}
+
+
 def compare_state(alloc, bm: BlockManager, after: str, where: str) -> None:
     want = state_of(bm)
     for name, value in want.items():
@@ -120,11 +133,111 @@ def compare_state(alloc, bm: BlockManager, after: str, where: str) -> None:
             assert_same_list(got, value, f"{name} after {after}", where)
 
 
-def run_workload(ex, seed, bs, num_blocks, steps, free_prob, where):
+# ------------------------------------------------------------------------------ the classic mistakes
+class RefAllocator:
+    """The allocator of Exercises 4.3/4.4 written out with one classic mistake (`mode`), to name it."""
+
+    def __init__(self, num_blocks: int, block_size: int, mode: str = "engine") -> None:
+        self.mode, self.block_size = mode, block_size
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list = [None] * num_blocks
+        self.block_tokens: list = [[] for _ in range(num_blocks)]
+        self.hash_to_block: dict = {}
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))
+
+    def allocate(self, token_ids):
+        bs = self.block_size
+        hashes = engine_hashes(token_ids, bs)
+        hit_blocks = []
+        for i, h in enumerate(hashes):
+            b = self.hash_to_block.get(h)
+            if b is None or self.block_tokens[b] != token_ids[i * bs:(i + 1) * bs]:
+                break
+            hit_blocks.append(b)
+        needed = -(-len(token_ids) // bs) - len(hit_blocks)
+        revived = 0 if self.mode == "forget_revived" else sum(self.ref_count[b] == 0 for b in hit_blocks)
+        if needed > len(self.free_blocks) - revived:
+            raise MemoryError("pool full")
+        for b in hit_blocks:
+            if self.ref_count[b] == 0:
+                del self.free_blocks[b]
+            self.ref_count[b] += 1
+        table = list(hit_blocks)
+        for _ in range(needed):
+            b, _ = self.free_blocks.popitem(last=self.mode == "pop_back")
+            old = self.block_hash[b]
+            if old is not None and self.hash_to_block.get(old) == b:
+                del self.hash_to_block[old]
+            self.ref_count[b], self.block_hash[b], self.block_tokens[b] = 1, None, []
+            table.append(b)
+        for i, h in enumerate(hashes):
+            if self.block_hash[table[i]] is None:
+                self.block_hash[table[i]], self.block_tokens[table[i]] = h, token_ids[i * bs:(i + 1) * bs]
+                self.hash_to_block.setdefault(h, table[i])
+        return table, len(hit_blocks) * bs
+
+    def free(self, block_table):
+        freed = []
+        for b in (block_table if self.mode == "head_first" else reversed(block_table)):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_blocks[b] = None
+                if self.mode == "free_to_front":
+                    self.free_blocks.move_to_end(b, last=False)
+                freed.append(b)
+        return freed
+
+
+ALLOC_MISTAKES = {
+    "pop_back": "the LRU ends swapped in allocate: take fresh blocks from the FRONT of free_blocks "
+                "(popitem(last=False)), the least recently freed, and free returns them to the back",
+    "free_to_front": "the LRU ends swapped in free: a freed block goes to the BACK of free_blocks, so it is "
+                     "evicted last; allocation takes from the front",
+    "head_first": "freeing from the first block to the last: walk the table from its LAST block, so a "
+                  "prefix's tail is evicted before its head, which more requests share",
+}
+
+
+def variant(mode: str):
+    def make(num_blocks, block_size):
+        return RefAllocator(num_blocks, block_size, mode)
+    make.__name__ = mode
+    return make
+
+
+class Lockstep:
+    """The classic-mistake allocators, run beside the learner's; those that agree with it at every step so
+    far are named when it fails."""
+
+    def __init__(self, num_blocks: int, bs: int, modes=ALLOC_MISTAKES):
+        self.alive = {m: RefAllocator(num_blocks, bs, m) for m in modes}
+
+    def step(self, op: str, arg, got, alloc) -> None:
+        for m, ref in list(self.alive.items()):
+            try:
+                same = getattr(ref, op)(list(arg)) == got and alloc_state(ref) == alloc_state(alloc)
+            except Exception:
+                same = False
+            if not same:
+                del self.alive[m]
+
+    def hint(self) -> str:
+        return "".join(f" This looks like {ALLOC_MISTAKES[m]}." for m in self.alive)
+
+    @contextmanager
+    def explained(self) -> Iterator[None]:
+        try:
+            yield
+        except AssertionError as e:
+            raise AssertionError(f"{e}{self.hint()}") from None
+
+
+def run_workload(make, seed, bs, num_blocks, steps, free_prob, where):
     wl = Workload(seed, bs)
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, bs)
-    alloc = ex.PrefixCachingAllocator(num_blocks, bs)
+    alloc = make(num_blocks, bs)
+    lock = Lockstep(num_blocks, bs)
     live = []  # (engine seq, your table)
     hits_seen = revived_seen = 0
     for step in range(steps):
@@ -132,8 +245,10 @@ def run_workload(ex, seed, bs, num_blocks, steps, free_prob, where):
             seq, table = live.pop(rng.randrange(len(live)))
             want = bm.free(seq)
             got = alloc.free(table)
-            assert_same_list(got, want, f"blocks freed by free({table}) at step {step}", where)
-            compare_state(alloc, bm, f"step {step}, free({table})", where)
+            lock.step("free", table, got, alloc)
+            with lock.explained():
+                assert_same_list(got, want, f"blocks freed by free({table}) at step {step}", where)
+                compare_state(alloc, bm, f"step {step}, free({table})", where)
             continue
         prompt = wl.prompt()
         try:  # skip prompts the pool cannot hold (the engine would make them wait)
@@ -146,36 +261,21 @@ def run_workload(ex, seed, bs, num_blocks, steps, free_prob, where):
         got = alloc.allocate(prompt)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise AssertionError(f"allocate must return (block_table, hit_tokens), got {got!r} {where}")
+        lock.step("allocate", prompt, got, alloc)
         table, hits = got
         what = f"allocate(prompt of {len(prompt)} tokens) at step {step}"
-        assert_equal(hits, want_hits, f"hit tokens of {what}", where)
-        assert_same_list(table, seq.block_table, f"block table of {what}", where)
-        compare_state(alloc, bm, what, where)
+        with lock.explained():
+            assert_equal(hits, want_hits, f"hit tokens of {what}", where)
+            assert_same_list(table, seq.block_table, f"block table of {what}", where)
+            compare_state(alloc, bm, what, where)
         live.append((seq, list(table)))
         hits_seen += want_hits > 0
         revived_seen += bool(cached_free & set(seq.block_table[: want_hits // bs]))
     return hits_seen, revived_seen
 
 
-def test_4_3_allocate_with_hits_and_ref_counts(ex):
-    where = book(NB, "4.3")
-    # allocations only: hits on blocks other sequences hold (ref counts > 1), until the pool fills up
-    hits, _ = run_workload(ex, seed=43, bs=4, num_blocks=150, steps=40, free_prob=0.0, where=where)
-    assert hits >= 5, "the workload should produce prefix hits"
-    # not enough free blocks: MemoryError, nothing changed
-    alloc = ex.PrefixCachingAllocator(3, 4)
-    alloc.allocate([1, 2, 3, 4, 5])
-    before = (list(alloc.ref_count), list(alloc.free_blocks), dict(alloc.hash_to_block))
-    with pytest.raises(MemoryError):
-        alloc.allocate([1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9])  # 1 hit block + 3 new, only 1 free
-    assert_equal((list(alloc.ref_count), list(alloc.free_blocks), dict(alloc.hash_to_block)), before,
-                 "state after a MemoryError (must be unchanged)", where)
-
-
 def copy_state_into(alloc, bm: BlockManager) -> None:
-    """Give your allocator exactly the engine's state (so Exercise 4.4 is checked without your allocate)."""
-    from collections import OrderedDict
-
+    """Give an allocator exactly the engine's state (so one exercise is checked without the other)."""
     alloc.ref_count = [b.ref_count for b in bm.blocks]
     alloc.block_hash = [b.hash for b in bm.blocks]
     alloc.block_tokens = [list(b.token_ids) for b in bm.blocks]
@@ -183,25 +283,219 @@ def copy_state_into(alloc, bm: BlockManager) -> None:
     alloc.free_blocks = OrderedDict.fromkeys(bm.free_block_ids)
 
 
-def test_4_4_free_keeps_hashes_and_lru_order(ex):
-    where = book(NB, "4.4")
-    # 1. free alone, from a state the engine built: shared blocks (ref count 2), partial tail blocks
+FORGET_REVIVED = ("a MemoryError check that forgets the cached free blocks this prompt's hits revive: they leave "
+                  "free_blocks too, so only len(free_blocks) - revived blocks are left for the fresh ones")
+
+
+def check_memory_error(make, where: str) -> None:
+    """Not enough free blocks: MemoryError, nothing changed; once with hits on blocks in use, once with hits
+    on cached free blocks (which the hit takes out of the free list)."""
+    # 1. 1 hit block (in use) + 3 new, only 1 free
+    alloc = make(3, 4)
+    alloc.allocate([1, 2, 3, 4, 5])
+    plain_raised = _raises_unchanged(alloc, [1, 2, 3, 4] + [9] * 9, where, "a 13-token prompt with 1 hit block "
+                                     "in use and 3 new blocks to find, 1 free", "")
+    # 2. a pool of 4 blocks, all free, 2 of them cached: a 20-token prompt hits those 2 and needs 3 more
+    bm = BlockManager(4, 4)
+    seq = make_seq(list(range(8)), 4)
+    engine_prefill(bm, seq)
+    bm.free(seq)
+    alloc = make(4, 4)
+    copy_state_into(alloc, bm)
+    _raises_unchanged(alloc, list(range(8)) + [9] * 12, where, "a 20-token prompt whose 2 hit blocks are cached "
+                      "free blocks and needs 3 more, with 4 blocks free in all",
+                      f" This looks like {FORGET_REVIVED}." if plain_raised else "")
+
+
+def _raises_unchanged(alloc, prompt, where, what, hint) -> bool:
+    before = alloc_state(alloc)
+    try:
+        result = alloc.allocate(prompt)
+    except MemoryError:
+        assert_equal(alloc_state(alloc), before, f"state after the MemoryError of {what} (must be unchanged)", where)
+        return True
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"allocate of {what} should raise MemoryError, raised {type(e).__name__}: {e}.{hint} "
+                             f"{where}") from None
+    raise AssertionError(f"allocate of {what} should raise MemoryError, returned {result!r}.{hint} {where}")
+
+
+def test_4_3_allocate_with_hits_and_ref_counts(ex):
+    where = book(NB, "4.3")
+    # allocations only: hits on blocks other sequences hold (ref counts > 1), until the pool fills up
+    hits, _ = run_workload(ex.PrefixCachingAllocator, seed=43, bs=4, num_blocks=150, steps=40, free_prob=0.0,
+                           where=where)
+    assert hits >= 5, "the workload should produce prefix hits"
+    check_memory_error(ex.PrefixCachingAllocator, where)
+    assert_detects(lambda make: check_memory_error(make, where), variant("forget_revived"), FORGET_REVIVED)
+    assert_detects(lambda make: run_workload(make, 43, 4, 150, 40, 0.0, where), variant("pop_back"),
+                   ALLOC_MISTAKES["pop_back"])
+
+
+def check_free_alone(make, where: str) -> None:
+    """free alone, from a state the engine built: shared blocks (ref count 2), partial tail blocks."""
     bs = 4
     bm = BlockManager(40, bs)
     system = list(range(100, 110))
     seqs = [make_seq(system + [i] * (2 + i), bs) for i in range(5)]
     for seq in seqs:
         engine_prefill(bm, seq)
-    alloc = ex.PrefixCachingAllocator(40, bs)
+    alloc = make(40, bs)
     copy_state_into(alloc, bm)
+    lock = Lockstep(40, bs)
+    for ref in lock.alive.values():
+        copy_state_into(ref, bm)
     for seq in [seqs[i] for i in (2, 0, 4, 1, 3)]:
         table = list(seq.block_table)
         want = bm.free(seq)
         got = alloc.free(table)
-        assert_same_list(got, want, f"blocks freed by free({table})", where)
-        compare_state(alloc, bm, f"free({table})", where)
-    # 2. frees mixed with allocations (needs your allocate from Exercise 4.3): freed blocks are revived
+        lock.step("free", table, got, alloc)
+        with lock.explained():
+            assert_same_list(got, want, f"blocks freed by free({table})", where)
+            compare_state(alloc, bm, f"free({table})", where)
+
+
+def test_4_4_free_keeps_hashes_and_lru_order(ex):
+    where = book(NB, "4.4")
+    check_free_alone(ex.PrefixCachingAllocator, where)
+    for mode in ("free_to_front", "head_first"):
+        assert_detects(lambda make: check_free_alone(make, where), variant(mode), ALLOC_MISTAKES[mode])
+    # frees mixed with allocations (needs your allocate from Exercise 4.3): freed blocks are revived
     for seed, bs, blocks in [(44, 4, 60), (45, 16, 24)]:
-        hits, revived = run_workload(ex, seed=seed, bs=bs, num_blocks=blocks, steps=250, free_prob=0.45,
-                                     where=where)
+        hits, revived = run_workload(ex.PrefixCachingAllocator, seed=seed, bs=bs, num_blocks=blocks, steps=250,
+                                     free_prob=0.45, where=where)
         assert hits >= 10 and revived >= 3, f"the workload should revive freed cached blocks ({hits}, {revived})"
+
+
+# ------------------------------------------------------------------------------------------------- 4.5
+def engine_admit(bm: BlockManager, waiting: list, budget: int) -> list:
+    """The scheduler's admission pass over `waiting`, with nothing running: [(seq, num_new_tokens)]."""
+    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
+    sched = Scheduler(cfg, bm, eos_token_ids=set())
+    sched.waiting = deque(waiting)
+    return [(s.seq, s.num_new_tokens) for s in sched.schedule().scheduled]
+
+
+def variant_admit(bm: BlockManager, waiting: list, budget: int, mode: str) -> list:
+    admitted = []
+    for seq in waiting:
+        if budget <= 0:
+            break
+        hits = bm.match_prefix(seq)
+        seq.num_cached_tokens = hits
+        seq.num_computed_tokens = hits if mode == "no_recompute" else min(hits, seq.num_tokens - 1)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.can_allocate(seq, n):
+            if mode == "head_of_line":
+                break
+            if mode != "no_undo":
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+            continue
+        bm.allocate(seq, n)
+        if mode != "register_late":
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        admitted.append((seq, n))
+        budget -= n
+    return admitted
+
+
+ADMIT_MISTAKES = {
+    "register_late": "registering the blocks only after the step: call bm.cache_full_blocks(seq, "
+                     "seq.num_computed_tokens + n) right after allocating, so an identical prompt admitted later "
+                     "in the same step shares them instead of computing them again",
+    "no_recompute": "skipping a fully cached prompt's last token: it is always computed "
+                    "(num_computed_tokens = min(hits, num_tokens - 1)), or the step has no logits to sample from",
+    "head_of_line": "stopping at the first prompt that does not fit: try the next ones, a smaller one may fit",
+    "no_undo": "keeping the hit blocks of a prompt that does not fit: undo with bm.free(seq) and reset "
+               "num_computed_tokens and num_cached_tokens to 0",
+}
+
+
+def admit_case(case: int):
+    """A BlockManager with some cached prompts (some freed) and a waiting list, from a seed."""
+    rng = random.Random(450 + case)
+    bs = rng.choice([4, 8])
+    bm = BlockManager(rng.choice([12, 20, 60]), bs)
+    base = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 4) * bs)]  # whole blocks
+    old = []
+    for _ in range(rng.randint(0, 2)):  # earlier requests, one of them maybe finished
+        seq = make_seq(base[: rng.randint(1, len(base))] + [rng.randrange(10, 1000)] * rng.randint(0, bs), bs)
+        try:
+            engine_prefill(bm, seq)
+        except RuntimeError:
+            break
+        old.append(seq)
+    if old and rng.random() < 0.5:
+        bm.free(old.pop())
+    waiting = []
+    for _ in range(rng.randint(2, 5)):
+        r = rng.random()
+        if r < 0.35 or not waiting:
+            ids = list(base)  # the shared prompt again: same-step sharing, full hits
+        elif r < 0.6:
+            ids = list(waiting[-1].token_ids)  # the one before, again
+        elif r < 0.8:
+            ids = base + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 2 * bs))]
+        else:
+            ids = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 6 * bs))]
+        waiting.append(make_seq(ids, bs))
+    budget = rng.choice([8, 24, 64, 256])
+    if case % 4 == 0:  # a prompt the pool cannot hold, then one it can: admission skips, it does not stop
+        extra = [rng.randrange(10, 1000) for _ in range((bm.num_free_blocks + 1) * bs)]
+        waiting.insert(1, make_seq(base + extra, bs))  # it may hit the cached base first: undo that
+        waiting.append(make_seq([rng.randrange(10, 1000) for _ in range(bs)], bs))
+        budget = 4096
+    return bm, waiting, budget
+
+
+def admit_result(bm, waiting, admitted) -> dict:
+    return {"admitted (seq_id, num_new_tokens)": [(s.seq_id, n) for s, n in admitted],
+            "per waiting seq (num_computed_tokens, num_cached_tokens, block_table)":
+                {s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, list(s.block_table)) for s in waiting},
+            **state_of(bm)}
+
+
+def check_admit(fn, where: str) -> None:
+    seen = {"same-step share": 0, "full hit": 0, "skipped": 0, "chunked": 0}
+    for case in range(40):
+        bm, waiting, budget = admit_case(case)
+        w_bm, w_waiting = copy.deepcopy((bm, waiting))
+        want_adm = engine_admit(w_bm, w_waiting, budget)
+        want = admit_result(w_bm, w_waiting, want_adm)
+        g_bm, g_waiting = copy.deepcopy((bm, waiting))
+        got_adm = fn(g_bm, list(g_waiting), budget)
+        got = admit_result(g_bm, g_waiting, list(got_adm) if isinstance(got_adm, (list, tuple)) else [])
+        before = (f"[case {case}: block_size {bm.block_size}, budget {budget}, {bm.num_free_blocks} of "
+                  f"{bm.num_blocks} blocks free, {len(bm.hash_to_block_id)} cached; waiting prompts of "
+                  f"{[s.num_tokens for s in waiting]} tokens]")
+        for key, value in want.items():
+            if got[key] != value:
+                hint = ""
+                for mode, description in ADMIT_MISTAKES.items():
+                    v_bm, v_waiting = copy.deepcopy((bm, waiting))
+                    if admit_result(v_bm, v_waiting, variant_admit(v_bm, v_waiting, budget, mode)) == got:
+                        hint += f" This looks like {description}."
+                raise AssertionError(f"{key} after admitting {before}: yours {got[key]!r}, expected {value!r}."
+                                     f"{hint} {where}")
+        ids = [s.seq_id for s, _ in want_adm]
+        tokens = [tuple(s.token_ids) for s in waiting]
+        seen["same-step share"] += any(tokens[i] == tokens[j] and w_waiting[j].num_cached_tokens > 0
+                                       and waiting[i].seq_id in ids and waiting[j].seq_id in ids
+                                       for i in range(len(waiting)) for j in range(i + 1, len(waiting)))
+        seen["full hit"] += any(s.num_cached_tokens == s.num_tokens for s, _ in want_adm)
+        seen["skipped"] += len(want_adm) < len(waiting) and bool(want_adm)
+        seen["chunked"] += any(s.num_computed_tokens + n < s.num_tokens for s, n in want_adm)
+    assert all(seen.values()), f"test bug: the cases should cover every rule: {seen}"
+
+
+def test_4_5_same_step_sharing_and_last_token_recompute(ex):
+    where = book(NB, "4.5")
+    check_admit(ex.admit_prompts, where)
+    for mode, description in ADMIT_MISTAKES.items():
+        def wrong(bm, waiting, budget, mode=mode):
+            return variant_admit(bm, waiting, budget, mode)
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_admit(fn, where), wrong, description)
