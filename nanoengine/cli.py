@@ -1,4 +1,4 @@
-"""Command line: `nanoengine assets|demo|generate|chat|bench`. Chapters 00 and 08."""
+"""Command line: `nanoengine assets|demo|generate|chat|serve|bench`. Chapters 00, 05 (serve) and 08."""
 
 from __future__ import annotations
 
@@ -60,9 +60,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.url is not None:  # drive a running `nanoengine serve` over HTTP
+        if not args.online:
+            raise ValueError("--url drives a running server with the online workload; add --online")
+        from nanoengine.bench import online
+
+        return online.main(args)
     from nanoengine.bench import run  # torch and the benchmark load only when they are needed
 
     return run.main(args)
+
+
+def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model", "trace")) -> None:
+    """One flag per EngineConfig field (--max-num-seqs, --dtype, --enable-prefix-caching/--no-..., ...), typed
+    from its annotation; only the flags given reach the engine, so EngineConfig keeps the defaults and checks."""
+    import dataclasses
+
+    from nanoengine.config import EngineConfig
+
+    group = parser.add_argument_group("engine options (EngineConfig; see nanoengine/config.py)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip or f.name == "hf_config":
+            continue
+        kinds = {k.strip() for k in str(f.type).split("|")}
+        flag = "--" + f.name.replace("_", "-")
+        if "bool" in kinds:
+            group.add_argument(flag, dest=f"engine.{f.name}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS)
+        else:
+            kind = int if "int" in kinds else float if "float" in kinds else str
+            group.add_argument(flag, dest=f"engine.{f.name}", type=kind, default=argparse.SUPPRESS,
+                               metavar=kind.__name__.upper())
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {k.removeprefix("engine."): v for k, v in vars(args).items() if k.startswith("engine.")}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    import logging
+
+    from nanoengine.serve.app import serve
+
+    code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
+                 shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
+                 engine_options=engine_options(args))
+    # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
+    # teardown of torch and transformers takes 2-3 s on a busy CPU, which a SIGTERM'd server should not.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +139,20 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
         g.set_defaults(fn=cmd_generate, chat=chat)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       description="Serve a model over HTTP in OpenAI's API (FastAPI + uvicorn), on one "
+                                   "continuously batched engine; point the openai client at http://HOST:PORT/v1.")
+    s.add_argument("model", nargs="?", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0: a free port the OS picks (printed at start)")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    s.add_argument("--trace", action="store_true", help="record the step trace, served at GET /v1/trace")
+    s.add_argument("--shutdown-grace", type=float, default=2.0,
+                   help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(s)
+    s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="nanoengine vs its peers on one seeded workload (table, JSON, plot)",
                        description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
                                    "when installed, on a GPU) on one seeded workload; prints a table and writes "
@@ -95,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | smoke")
     b.add_argument("--num-requests", type=int, default=None, help="take the first N requests of the workload")
     b.add_argument("--online", action="store_true", help="Poisson arrivals at --request-rate (latency under load)")
-    b.add_argument("--request-rate", type=float, default=None, help="requests/s for --online")
+    b.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s for --online (with --url, default inf: every request at once)")
+    b.add_argument("--url", default=None,
+                   help="with --online: drive a running `nanoengine serve` at this URL over HTTP (e.g. "
+                        "http://127.0.0.1:8000) instead of an in-process engine")
     b.add_argument("--peers", default="hf,vllm,nano-vllm",
                    help="comma-separated peers to run after the engine (vllm and nano-vllm need a GPU)")
     b.add_argument("--no-peers", action="store_true", help="run nanoengine only")

@@ -1,0 +1,15 @@
+"""`nanoengine serve`: an OpenAI-compatible HTTP server on the same continuous-batching engine. Chapter 05
+(appendix).
+
+- `protocol.py`: the request and response bodies, in OpenAI's shapes (pydantic);
+- `async_engine.py`: one background thread steps the `LLMEngine`; handlers submit through a thread-safe queue
+  and read their deltas from per-request asyncio queues;
+- `metrics.py`: the Prometheus metrics behind `GET /metrics`;
+- `app.py`: the FastAPI routes, OpenAI's error format, and `serve()` (uvicorn, clean shutdown);
+- `trace_json.py`: the engine's step trace as JSON and back (`GET /v1/trace`, for the book's widgets).
+
+    nanoengine serve tiny-qwen3 --port 8000
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    print(client.completions.create(model="tiny-qwen3", prompt="Once upon", max_tokens=8).choices[0].text)
+"""

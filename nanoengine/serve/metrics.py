@@ -1,0 +1,99 @@
+"""The server's Prometheus metrics (`GET /metrics`, through prometheus-client). Chapter 05 (appendix).
+
+Updated by the engine thread only: after every step from its `StepStats` (batch size, KV-cache use, prefix
+hits, preemptions) and the scheduler's queues, and once per finished request from its `RequestMetrics`
+(TTFT, TPOT, end-to-end latency). Each server has its own registry, so several can live in one process.
+Names follow vLLM's where there is one (`nanoengine_` instead of `vllm:`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nanoengine.trace import StepStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServerMetrics:
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, {"registry": self.registry}
+        self.running = Gauge("nanoengine_num_requests_running", "sequences in the running batch", **m)
+        self.waiting = Gauge("nanoengine_num_requests_waiting", "sequences waiting for admission", **m)
+        self.batch_size = Gauge("nanoengine_batch_size", "sequences in the last step", **m)
+        self.peak_batch_size = Gauge("nanoengine_batch_size_peak", "most sequences in one step since start", **m)
+        self.batch_hist = Histogram("nanoengine_step_batch_size", "sequences per step", buckets=BATCH_BUCKETS, **m)
+        self.kv_used_blocks = Gauge("nanoengine_kv_cache_used_blocks", "KV blocks held by live sequences", **m)
+        self.kv_blocks = Gauge("nanoengine_kv_cache_blocks", "KV blocks in the pool", **m)
+        self.kv_usage = Gauge("nanoengine_kv_cache_usage_perc", "share of the KV pool in use (0..1)", **m)
+        self.prompt_tokens = Counter("nanoengine_prompt_tokens", "prompt tokens of admitted requests", **m)
+        self.generation_tokens = Counter("nanoengine_generation_tokens", "tokens generated", **m)
+        self.prefix_hit_tokens = Counter("nanoengine_prefix_cache_hit_tokens", "prompt tokens served by the "
+                                         "prefix cache", **m)
+        self.prefix_hit_rate = Gauge("nanoengine_prefix_cache_hit_rate", "prefix-cache hit tokens / prompt "
+                                     "tokens since start", **m)
+        self.preemptions = Counter("nanoengine_num_preemptions", "sequences preempted (recomputed later)", **m)
+        self.steps = Counter("nanoengine_engine_steps", "engine steps", **m)
+        self.finished = Counter("nanoengine_request_success", "finished requests", ["finish_reason"], **m)
+        self.aborted = Counter("nanoengine_request_aborted", "requests aborted (client gone, or shutdown)", **m)
+        self.ttft = Histogram("nanoengine_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, **m)
+        self.tpot = Histogram("nanoengine_time_per_output_token_seconds", "mean gap between a request's later "
+                              "tokens", buckets=LATENCY_BUCKETS, **m)
+        self.e2e = Histogram("nanoengine_e2e_request_latency_seconds", "arrival to finish",
+                             buckets=LATENCY_BUCKETS, **m)
+        info = Gauge("nanoengine_model_info", "the served model", ["model"], registry=r)
+        info.labels(model=model).set(1)
+        self._hits = self._prompt = self._peak = 0
+
+    def on_admitted(self, num_prompt_tokens: int) -> None:
+        self._prompt += num_prompt_tokens
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_step(self, stats: StepStats | None, num_running: int, num_waiting: int, used_blocks: int,
+                num_blocks: int) -> None:
+        """After a step (stats) or after handling submissions and aborts without a step (stats=None)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_used_blocks.set(used_blocks)
+        self.kv_blocks.set(num_blocks)
+        self.kv_usage.set(used_blocks / num_blocks if num_blocks else 0.0)
+        if stats is None or stats.num_seqs == 0:
+            self.batch_size.set(0)
+            return
+        self.steps.inc()
+        self.batch_size.set(stats.num_seqs)
+        self.batch_hist.observe(stats.num_seqs)
+        if stats.num_seqs > self._peak:
+            self._peak = stats.num_seqs
+            self.peak_batch_size.set(stats.num_seqs)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        if stats.cache_hit_tokens:
+            self._hits += stats.cache_hit_tokens
+            self.prefix_hit_tokens.inc(stats.cache_hit_tokens)
+        self.prefix_hit_rate.set(self._hits / self._prompt if self._prompt else 0.0)
+
+    def on_tokens(self, n: int) -> None:
+        if n:
+            self.generation_tokens.inc(n)
+
+    def on_finished(self, finish_reason: str, metrics: Any) -> None:
+        """A request whose completions all finished; metrics is its RequestMetrics (num_output_tokens set)."""
+        if finish_reason == "abort":
+            self.aborted.inc()
+            return
+        self.finished.labels(finish_reason=finish_reason).inc()
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.time_per_output_token is not None:
+            self.tpot.observe(metrics.time_per_output_token)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,233 @@
+"""Request and response bodies of the server, in OpenAI's shapes (pydantic). Chapter 05 (appendix).
+
+Requests are parsed strictly (a string is not a number, `true` is not an integer) and unknown fields are
+refused, so nothing is accepted and ignored. Pydantic checks the shape; the values are checked where the engine
+checks them, by `SamplingParams` (ranges, with a message naming the field) and by the engine's admission
+(prompt length against `max_model_len`). Fields OpenAI has and nanoengine does not implement (penalties,
+logprobs, echo) are accepted only at their neutral value. vLLM's extra sampling fields (`top_k`, `min_p`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them through
+`extra_body`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanoengine.errors import InvalidValueError
+from nanoengine.sampling_params import SamplingParams
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's default is "up to max_model_len"
+
+
+class ProtocolError(InvalidValueError):
+    """A request the server refuses (HTTP 400), with the field it is about."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id (OpenAI uses it for abuse monitoring); kept out of the engine
+    presence_penalty: float | None = None  # accepted at 0 only
+    frequency_penalty: float | None = None  # accepted at 0 only
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def _check_neutral(self, **fields: Any) -> None:
+        """Refuse fields nanoengine does not implement unless they hold their neutral value."""
+        for name, neutral in fields.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ProtocolError(f"{name}={value!r} is not supported by nanoengine; leave it out (or {neutral!r})",
+                                    name)
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams (OpenAI's defaults where a field is left out); SamplingParams checks
+        every value and names the field in its error."""
+        self._check_neutral(presence_penalty=0.0, frequency_penalty=0.0)
+        fields = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "min_p": self.min_p, "seed": self.seed, "stop": self.stop, "min_tokens": self.min_tokens,
+                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                  "skip_special_tokens": self.skip_special_tokens,
+                  "include_stop_str_in_output": self.include_stop_str_in_output}
+        given = {k: v for k, v in fields.items() if v is not None}
+        return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                              **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # not supported: None only
+    echo: bool | None = None  # False only
+    best_of: int | None = None  # None or n
+    suffix: str | None = None  # None only
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: a string, a list of token ids, or a list of either (one request each)."""
+        self._check_neutral(echo=False, suffix=None, logprobs=None)
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ProtocolError(f"best_of={self.best_of} is not supported by nanoengine; leave it out", "best_of")
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ProtocolError("prompt is empty: give a string, a list of token ids, or a list of those", "prompt")
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # False only
+    top_logprobs: int | None = None  # None only
+
+    def conversation(self) -> list[dict[str, str]]:
+        self._check_neutral(logprobs=False, top_logprobs=None)
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ProtocolError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return [m.as_dict() for m in self.messages]
+
+
+# ------------------------------------------------------------------------------------------ responses
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "nanoengine"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,299 @@
+"""`nanoengine serve` through the real `openai` client, on a free loopback port, the server in a subprocess
+started and stopped here: completions and chats (against the offline LLM as the oracle), streaming equal to
+non-streaming, seeded n=2, 16 concurrent streams batched together, a client that disconnects (its blocks come
+back), ten kinds of bad request (each a 400 naming the problem, then the server still serves), SIGTERM with a
+request in flight, the step trace, and `bench --online --url` against the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+MODEL = "tiny-qwen3"
+ENGINE = ["--dtype", "float32", "--num-kvcache-blocks", "512", "--max-model-len", "1024"]
+START_TIMEOUT_S = 180  # loading tiny-qwen3 takes ~3 s idle, far more on a busy 2-core machine
+
+
+class Server:
+    """`nanoengine serve` in a subprocess on a port the OS picks (read from its first line)."""
+
+    def __init__(self, *extra: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", MODEL, "--port", "0",
+                                      "--log-level", "warning", *ENGINE, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        line, deadline = "", time.monotonic() + START_TIMEOUT_S
+        while "/v1" not in line:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""
+            if not ready or (not line and self.proc.poll() is not None):
+                self.stop()
+                raise RuntimeError(f"the server did not start: {line!r}")
+        self.url = re.search(r"(http://\S+)/v1", line).group(1)
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name (labels folded into the name)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--trace")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline LLM on the same engine options: the oracle for the served text."""
+    from nanoengine import LLM
+
+    return LLM(MODEL, dtype="float32", num_kvcache_blocks=512, max_model_len=1024)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+@pytest.mark.slow
+def test_completion_and_chat_match_offline_llm(server, offline):
+    from nanoengine import SamplingParams
+
+    prompt = "The capital of France is"
+    r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    c = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == want.outputs[0].text
+    assert c.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert c.usage.completion_tokens == len(want.outputs[0].token_ids) == 10
+
+    # n=2 with a seed: reproducible, and the same draws as the offline engine's
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=1234)
+    a, b = server.client.completions.create(**kw), server.client.completions.create(**kw)
+    texts = [ch.text for ch in sorted(a.choices, key=lambda ch: ch.index)]
+    assert texts == [ch.text for ch in sorted(b.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in sorted(a.choices, key=lambda ch: ch.index)] == [0, 1]
+    want = offline.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=1234),
+                            use_tqdm=False)[0]
+    assert texts == [o.text for o in want.outputs]
+    assert a.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+
+
+def test_streamed_chat_concatenates_to_non_streamed(server):
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    full = server.client.chat.completions.create(**kw)
+    chunks = list(server.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content and text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    # a completion stream, raw: server-sent events ending with [DONE]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    streamed = "".join(c["text"] for c in (json.loads(ln[6:])["choices"][0] for ln in lines[:-1]))
+    plain = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert streamed == plain.choices[0].text
+
+
+def test_sixteen_concurrent_streams_are_batched(server):
+    before = server.metrics()
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Request number {i} says", max_tokens=24 + i, temperature=0.8, seed=i,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage, finish = None, None
+        async for ch in stream:
+            if ch.usage:
+                usage = ch.usage.completion_tokens
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+        return i, usage, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert [(i, n, f) for i, n, f in results] == [(i, 24 + i, "length") for i in range(16)]
+    after = server.metrics()
+    assert after["nanoengine_batch_size_peak"] > 1
+    # steps of this test with more than one sequence (the histogram's counts, before and after)
+    batched = lambda m: m["nanoengine_step_batch_size_count"] - m["nanoengine_step_batch_size_bucket{le=1.0}"]
+    assert batched(after) - batched(before) > 0
+    assert after["nanoengine_generation_tokens_total"] - before["nanoengine_generation_tokens_total"] == \
+        sum(24 + i for i in range(16))
+    assert after["nanoengine_kv_cache_used_blocks"] == 0 and after["nanoengine_num_requests_running"] == 0
+    assert after["nanoengine_request_success_total{finish_reason=length}"] - \
+        before.get("nanoengine_request_success_total{finish_reason=length}", 0) == 16
+    assert after["nanoengine_time_to_first_token_seconds_count"] >= 16
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = server.metrics()
+    stream = server.client.completions.create(model=MODEL, prompt="A very long story begins", max_tokens=900,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    during = server.metrics()
+    assert during["nanoengine_kv_cache_used_blocks"] > 0 and during["nanoengine_num_requests_running"] == 1
+    stream.close()  # the client goes away with ~890 tokens still to generate
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["nanoengine_kv_cache_used_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["nanoengine_kv_cache_used_blocks"] == 0 and m["nanoengine_num_requests_running"] == 0
+    assert m["nanoengine_request_aborted_total"] - before["nanoengine_request_aborted_total"] == 1
+    # it stopped: far fewer than the 900 tokens asked for were generated
+    assert m["nanoengine_generation_tokens_total"] - before["nanoengine_generation_tokens_total"] < 300
+
+
+BAD_REQUESTS = [  # (what, request fields over a good completion request, words the message must contain)
+    ("unknown model", {"model": "gpt-17"}, ["gpt-17", MODEL]),
+    ("negative temperature", {"temperature": -0.5}, ["temperature", ">= 0"]),
+    ("top_p out of range", {"top_p": 1.5}, ["top_p"]),
+    ("max_tokens 0", {"max_tokens": 0}, ["max_tokens"]),
+    ("n 0", {"n": 0}, ["n must be"]),
+    ("temperature as a string", {"temperature": "hot"}, ["temperature", "number"]),
+    ("prompt over max_model_len", {"prompt": [11] * 1100}, ["max_model_len"]),
+    ("unknown field", {"logit_bias_v2": {"1": 2}}, ["logit_bias_v2"]),
+    ("top_k below -1", {"top_k": -5}, ["top_k"]),
+    ("stop token outside the vocabulary", {"stop_token_ids": [10**9]}, ["stop_token_ids", "vocabulary"]),
+    ("empty prompt", {"prompt": ""}, ["empty prompt"]),
+    ("an unsupported penalty", {"presence_penalty": 0.5}, ["presence_penalty"]),
+]
+
+
+def test_bad_requests_are_400_and_the_server_keeps_serving(server):
+    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    for what, fields, words in BAD_REQUESTS:
+        r = httpx.post(f"{server.url}/v1/completions", json={**good, **fields}, timeout=30)
+        assert r.status_code == 400, (what, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error", what
+        assert all(w in err["message"] for w in words), (what, err["message"])
+    # through the openai client: its BadRequestError carries our message
+    with pytest.raises(openai.BadRequestError, match="role"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=0)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "tiny-qwen3", "messages": [',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    # a field error names the field as OpenAI's `param`
+    r = httpx.post(f"{server.url}/v1/completions", json={**good, "temperature": -1}, timeout=30)
+    assert r.json()["error"]["param"] == "temperature"
+    ok = server.client.completions.create(**good)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
+    assert server.metrics()["nanoengine_kv_cache_used_blocks"] == 0
+
+
+def test_trace_endpoint_feeds_the_widgets(server):
+    from nanoengine.serve.trace_json import fetch_trace
+    from nanoengine.viz.state import batch_composition_state
+
+    before = len(fetch_trace(server.url).steps)
+    server.client.completions.create(model=MODEL, prompt=["one two three", "four five"], max_tokens=5,
+                                     temperature=0)
+    tail = fetch_trace(server.url, since=before)
+    assert tail.block_size == 16 and tail.num_blocks == 512 and len(tail.steps) >= 5
+    assert max(len(s.scheduled) for s in tail.steps) == 2  # the two prompts ran in one batch
+    assert all(isinstance(k, int) for s in tail.steps for k in s.block_tables)
+    st = batch_composition_state(tail)
+    assert st.num_steps == len(tail.steps) and sum(st.totals) == sum(s.num_batched_tokens for s in tail.steps)
+
+
+def test_bench_online_against_the_server(server, tmp_path):
+    from nanoengine.bench.online import report_served, run_served
+    from nanoengine.bench.workload import make_workload
+
+    r = run_served(server.url + "/v1", "smoke", request_rate=float("inf"))
+    wl = make_workload("smoke")
+    assert r["output_tokens"] == wl.num_output_tokens and r["num_requests"] == len(wl)
+    assert r["latency"]["ttft_s"]["p50"] > 0 and len(r["latency"]["samples"]["ttft_s"]) == len(wl)
+    assert r["server_steps"]["num_steps"] > 0 and r["server_steps"]["mean_batch_size"] > 1
+    assert "TTFT p50/p99" in report_served(r)
+    from nanoengine import cli
+
+    assert cli.main(["bench", "--online", "--url", server.url, "--workload", "smoke", "--request-rate", "20",
+                     "--out-dir", str(tmp_path)]) == 0
+    assert list(tmp_path.glob("served_*smoke_r20.json"))
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_request_in_flight_exits_within_5_s():
+    s = Server()
+    try:
+        stream = s.client.completions.create(model=MODEL, prompt="Keep talking", max_tokens=900, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it), next(it)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        finishes = []
+        try:
+            for ch in it:
+                finishes += [c.finish_reason for c in ch.choices if c.finish_reason]
+        except (httpx.HTTPError, openai.APIError):
+            pass  # the connection may close before the last chunk
+        s.proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 5.0, f"the server took {elapsed:.1f} s to exit after SIGTERM"
+        assert s.proc.returncode == 0, s.proc.stdout.read()
+        assert finishes in ([], ["abort"])
+    finally:
+        s.stop()
