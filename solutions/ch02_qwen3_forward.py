@@ -6,7 +6,8 @@ Exercise 2.3: causal grouped-query attention.
 Exercise 2.4: one Qwen3 decoder layer, equal to transformers' Qwen3DecoderLayer.
 Exercise 2.5: the whole forward pass: logits equal to transformers' Qwen3ForCausalLM.
 
-Shapes: one sequence of T tokens, no batch dimension. H query heads, KVH key/value heads, D = head_dim.
+Shapes: one sequence of T tokens, no batch dimension. H query heads, KVH key/value heads, D = head_dim
+(H * D need not equal the hidden size).
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def qwen3_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Exercise 2.5: the logits of a transformers Qwen3ForCausalLM, computed with your decoder_layer.
 
     input_ids [T] -> logits [T, vocab] float32: embed (model.model.embed_tokens.weight), every layer in
-    model.model.layers, the final rms_norm (model.model.norm), then the LM head. With tied embeddings
-    (config.tie_word_embeddings) the LM head is the embedding matrix itself.
+    model.model.layers, the final rms_norm (model.model.norm), then the LM head: with tied embeddings
+    (config.tie_word_embeddings) the embedding matrix itself, otherwise model.lm_head.weight.
     """
     # BEGIN SOLUTION
     config, inner = model.config, model.model
