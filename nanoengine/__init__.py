@@ -3,6 +3,7 @@
     from nanoengine import LLM, SamplingParams
     llm = LLM("smollm2-135m")            # an asset name or a local Hugging Face folder
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    llm = LLM("tiny-qwen3", use_exercises=["ch02", "ch03"])  # the same engine on your exercises' pieces
 
 Names are imported lazily, so `import nanoengine.engine.scheduler` stays free of torch.
 """
@@ -17,8 +18,9 @@ _EXPORTS = {
     "RequestOutput": "nanoengine.outputs",
     "CompletionOutput": "nanoengine.outputs",
     "EngineConfig": "nanoengine.config",
+    "use_exercises": "nanoengine.pieces",
 }
-_SUBMODULES = {"check", "assets", "viz"}
+_SUBMODULES = {"check", "assets", "viz", "pieces"}
 __all__ = list(_EXPORTS)
 
 

@@ -5,7 +5,9 @@ book chapter (00-08) does:
     check("ch03")
 
 and an inline check cell after an exercise shows that exercise's tests: `check("5.2")`. A test that stops at
-the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo").
+the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo"). Once all of a chapter's tests
+pass, the chapter-end check runs its capstone (chapters 02-05, `nanoengine.pieces.capstone`): the engine on
+the learner's pieces must give the engine's own greedy text, and its last rows say so.
 
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
 exercises/ files are always picked up without restarting the kernel; the results of a run are reused until
@@ -20,9 +22,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")
@@ -46,6 +50,8 @@ class ChapterResult:
     tests: list[TestResult] = field(default_factory=list)
     exercises: dict[str, str] = field(default_factory=dict)  # "3.1" -> title
     error: str = ""  # set when pytest could not run the tests at all
+    capstone: Any = None  # the engine on your pieces (nanoengine.pieces.capstone.CapstoneResult), once all pass
+    capstone_note: str = ""  # why there is no capstone run (a chapter without pieces, exercises still to do)
 
     def status(self, exercise: str) -> str:
         outcomes = {t.outcome for t in self.tests if t.exercise == exercise}
@@ -61,7 +67,9 @@ class ChapterResult:
 
     @property
     def passed(self) -> bool:
-        return not self.error and bool(self.tests) and all(t.outcome == "pass" for t in self.tests)
+        """Every exercise test passed (and, where it ran, the capstone)."""
+        tests_pass = not self.error and bool(self.tests) and all(t.outcome == "pass" for t in self.tests)
+        return tests_pass and (self.capstone is None or self.capstone.passed)
 
     def table(self) -> str:
         lines = [f"{self.chapter} exercises ({self.impl})"]
@@ -86,6 +94,12 @@ class ChapterResult:
                 lines.append(f"         -> {first_fail.name}: {_shorten(first_fail.message, 300)}")
         done = sum(self.status(n) == "PASS" for n in numbers)
         lines.append(f"{done} of {len(numbers)} exercises pass.")
+        if self.capstone is not None:
+            lines.append(f"capstone: the engine on your {self.chapter} pieces vs on its own (greedy, fp32)")
+            for model, ok, detail in self.capstone.rows:
+                lines.append(f"  {model:<14} {'PASS' if ok else 'FAIL':<5} {detail}")
+        elif self.capstone_note:
+            lines.append(f"capstone: {self.capstone_note}")
         return "\n".join(lines)
 
 
@@ -176,11 +190,36 @@ def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> Ch
         _RESULTS.clear()  # keep one chapter's results at a time
         _RESULTS[key] = (tests, error)
     result.tests = list(_RESULTS[key][0])
+    if not one:
+        add_capstone(result, impl_dir, key)
     if one:
         number = f"{int(one.group(1))}.{int(one.group(2))}"
         result.exercises = {k: v for k, v in result.exercises.items() if k == number}
         result.tests = [t for t in result.tests if t.exercise == number]
     return result
+
+
+_CAPSTONES: dict[tuple, Any] = {}  # source stamps -> the capstone of a chapter whose tests all passed
+
+
+def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
+    """Once every exercise passes, run the chapter's capstone: LLM on the learner's pieces == LLM on its own."""
+    from nanoengine.pieces import CHAPTERS
+
+    if result.chapter not in CHAPTERS:
+        result.capstone_note = (f"{result.chapter} plugs no piece into the engine (chapters "
+                                f"{', '.join(CHAPTERS)} do: LLM(model, use_exercises=[...]))")
+        return
+    if not result.passed:
+        result.capstone_note = (f"once every {result.chapter} exercise passes, the engine runs on your pieces here "
+                                "and must give its own greedy text")
+        return
+    if key not in _CAPSTONES:
+        from nanoengine.pieces.capstone import capstone
+
+        _CAPSTONES.clear()
+        _CAPSTONES[key] = capstone(result.chapter, impl_dir)
+    result.capstone = _CAPSTONES[key]
 
 
 def _run_pytest(files: list[Path], impl: str, timeout: float) -> tuple[list[TestResult], str]:
@@ -207,3 +246,13 @@ def check(chapter: str | int, impl: str | None = None) -> ChapterResult:
     result = run(chapter, impl)
     print(result.table())
     return result
+
+
+class _CallableModule(types.ModuleType):
+    """`nanoengine.check("ch03")` works as well as `from nanoengine.check import check`."""
+
+    def __call__(self, chapter: str | int, impl: str | None = None) -> ChapterResult:
+        return check(chapter, impl)
+
+
+sys.modules[__name__].__class__ = _CallableModule

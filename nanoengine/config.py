@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     trace: bool = False
+    # the learner's pieces (nanoengine.pieces): chapters whose exercises replace the engine's own components,
+    # from exercises_dir (default exercises/); None = what nanoengine.pieces.use_exercises() set, else none
+    use_exercises: tuple[str, ...] | None = None
+    exercises_dir: str | None = None
     # filled by resolve(): the model's Hugging Face config
     hf_config: Any = field(default=None, repr=False)
 
@@ -88,7 +93,12 @@ class EngineConfig:
             if not ok:
                 raise InvalidValueError(f"EngineConfig: {msg}")
 
+        if isinstance(self.exercises_dir, os.PathLike):
+            self.exercises_dir = os.fspath(self.exercises_dir)
         self._check_types()
+        from nanoengine import pieces
+
+        self.use_exercises, self.exercises_dir = pieces.settle(self.use_exercises, self.exercises_dir)
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -200,8 +210,11 @@ class EngineConfig:
             warnings.warn("nanoengine: attention_backend='torch' cannot run inside a CUDA graph (its store decides "
                           "on the host which slots to skip), so decode steps run eagerly; use attention_backend="
                           "'triton' for CUDA graphs, or enforce_eager=True to say so", stacklevel=4)
+        if self.model_pieces and self.torch_compile:
+            raise InvalidValueError(f"EngineConfig: torch_compile=True compiles the engine's own norm and rotary ops, "
+                                    f"but use_exercises={list(self.use_exercises)} runs yours; leave torch_compile unset")
         if self.torch_compile is None:
-            self.torch_compile = self.device == "cuda"
+            self.torch_compile = self.device == "cuda" and not self.model_pieces
         elif self.torch_compile and self.attention_backend == "cpu":
             raise InvalidValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' already "
                              "runs as fused C++ kernels; use attention_backend='torch' to compile them instead, "
@@ -213,7 +226,9 @@ class EngineConfig:
         stand-in) or None (eagerly)."""
         if self.graph_stand_in:
             return "stand_in"
-        graphs = self.device == "cuda" and not self.enforce_eager and self.attention_backend != "torch"
+        # the learner's pieces inside the model run eagerly (their Python may read tensors on the host)
+        graphs = (self.device == "cuda" and not self.enforce_eager and self.attention_backend != "torch"
+                  and not self.model_pieces)
         return "cuda" if graphs else None
 
     @property
@@ -230,6 +245,8 @@ class EngineConfig:
         want = self.attention_backend
         if want == "torch":
             return want
+        if self.model_pieces:
+            return self._pick_backend_for_pieces(want)
         if want == "triton":
             problem = triton_support.problem(self.device)
             if problem:
@@ -256,6 +273,22 @@ class EngineConfig:
         warnings.warn(f"nanoengine: neither flash_attn ({flash_problem}) nor triton ({triton_problem}) can run "
                       "here; using the slower torch attention backend", stacklevel=4)
         return "torch"
+
+    @property
+    def model_pieces(self) -> tuple[str, ...]:
+        """The chapters of use_exercises whose pieces run inside the model's forward (ch02, ch03)."""
+        from nanoengine.pieces import MODEL_CHAPTERS
+
+        return tuple(c for c in self.use_exercises if c in MODEL_CHAPTERS)
+
+    def _pick_backend_for_pieces(self, want: str) -> str:
+        """The learner's ch02/ch03 pieces replace parts of the torch backend (ch02 also the CPU backend's)."""
+        names = ", ".join(self.model_pieces)
+        if want == "auto" or (want == "cpu" and self.device == "cpu" and "ch03" not in self.model_pieces):
+            return "torch" if want == "auto" else self._pick_cpu_kernels()
+        raise InvalidValueError(f"EngineConfig: use_exercises={list(self.use_exercises)} plugs your {names} pieces "
+                                f"into the torch attention backend, so attention_backend={want!r} cannot be used "
+                                "with them; leave attention_backend='auto' (or 'torch')")
 
     def _flash_attn_problem(self, import_problem: str | None) -> str | None:
         """Why flash_attn cannot serve this config (import, dtype, block size), or None."""

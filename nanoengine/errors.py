@@ -27,3 +27,12 @@ class CheckpointError(InvalidValueError):
 
 class ModelNotFoundError(CheckpointError, FileNotFoundError):
     """A model that is neither an asset name nor a folder with a config.json (also a FileNotFoundError)."""
+
+
+class ExerciseError(NanoengineError):
+    """The learner's code plugged into the engine (`use_exercises`, nanoengine.pieces) failed or gave a result
+    the engine cannot use; the message names the exercise and its file."""
+
+
+class ExerciseNotDoneError(ExerciseError, NotImplementedError):
+    """A piece asked for with `use_exercises` is still the untouched stub of its exercise."""

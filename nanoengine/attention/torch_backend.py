@@ -167,15 +167,14 @@ class TorchAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        k_cache, v_cache = self.k_cache, self.v_cache
         out = torch.empty_like(q)
-        if not k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens
+        if not self.k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens
             for start, q_len in zip(meta.prefill_query_starts, meta.prefill_query_lens):
                 s = slice(start, start + q_len)
-                out[s] = prefill_attention(q[s], k[s].transpose(0, 1), v[s].transpose(0, 1), self.scale)
+                out[s] = self.prompt_attention(q[s], k[s], v[s])
             return out
-        p = meta.plan if meta.plan is not None else self.plan(meta, k_cache.shape)
-        write_kv(k, v, k_cache, v_cache, p.store_tokens, p.store_rows)
+        p = meta.plan if meta.plan is not None else self.plan(meta, self.k_cache.shape)
+        self.store(k, v, meta, p)
         nd = meta.num_decode_seqs
         if nd == q.shape[0]:  # a pure decode step (most steps): no copy into `out`
             return self.decode(q, meta, p)
@@ -185,12 +184,29 @@ class TorchAttention(torch.nn.Module):
                                             meta.prefill_context_lens, meta.prefill_block_tables):
             s = slice(start, start + q_len)
             if ctx == q_len:  # no cached prefix: attend over the new tokens directly
-                ks, vs = k[s].transpose(0, 1), v[s].transpose(0, 1)
-            else:
-                ks, vs = gather_kv(k_cache, table, ctx), gather_kv(v_cache, table, ctx)
-            out[s] = prefill_attention(q[s], ks, vs, self.scale)
+                out[s] = self.prompt_attention(q[s], k[s], v[s])
+            else:  # a chunk after a cached prefix (an earlier chunk, or prefix-cache hits)
+                out[s] = self.prefix_attention(q[s], table, ctx)
         return out
+
+    # The steps of `forward`, one method each, so that a backend (the CPU kernels, the learner's pieces in
+    # nanoengine.pieces) replaces just the ones it does differently.
+    def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> None:
+        """Write the new tokens' K/V [num_tokens, num_kv_heads, head_dim] at their slots (-1: skip)."""
+        write_kv(k, v, self.k_cache, self.v_cache, plan.store_tokens, plan.store_rows)
 
     def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> torch.Tensor:
         # q [num_decode_seqs, num_heads, head_dim], their K/V already stored
         return paged_decode(q, self.k_cache, self.v_cache, plan.decode_rows, plan.decode_mask, self.scale)
+
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a prompt (chunk) with no cached prefix over its own tokens: q [T, num_heads,
+        head_dim], k, v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), self.scale)
+
+    def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        """Causal attention of a chunk's queries q [q_len, num_heads, head_dim] (the last q_len of context_len
+        positions) over its sequence's cached tokens, the chunk's own already stored."""
+        k = gather_kv(self.k_cache, block_table, context_len)  # [num_kv_heads, context_len, head_dim]
+        v = gather_kv(self.v_cache, block_table, context_len)
+        return prefill_attention(q, k, v, self.scale)

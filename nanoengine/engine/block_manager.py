@@ -102,21 +102,27 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"match_prefix: seq {seq.seq_id} already has blocks {seq.block_table}; "
                                "prefix matching is only for a sequence with an empty block table (free it first)")
+        for block_id in self.cached_prefix(seq):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:  # a cached free block: revive it
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        return len(seq.block_table) * self.block_size
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold seq's leading full blocks, in order: each one's chained hash is in the
+        cache and its tokens are equal (a hash collision is a miss); the first miss ends the prefix."""
         prefix_hash: int | None = None
-        hits = 0
+        hit_ids = []
         for i in range(seq.num_tokens // self.block_size):
             tokens = seq.block_tokens(i)
             prefix_hash = self.compute_hash(tokens, prefix_hash)
             block_id = self.hash_to_block_id.get(prefix_hash)
             if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or a hash collision
                 break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:  # a cached free block: revive it
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
-            hits += 1
-        return hits * self.block_size
+            hit_ids.append(block_id)
+        return hit_ids
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -160,14 +166,20 @@ class BlockManager:
         while start > 0 and self.blocks[table[start - 1]].hash is None:
             start -= 1
         prefix_hash = self.blocks[table[start - 1]].hash if start > 0 else None
-        for i in range(start, num_full):
+        for i, h in enumerate(self.chain_hashes(seq, start, num_full, prefix_hash), start):
             block = self.blocks[table[i]]
-            tokens = seq.block_tokens(i)
-            prefix_hash = self.compute_hash(tokens, prefix_hash)
-            block.hash = prefix_hash
-            block.token_ids = tokens
+            block.hash = h
+            block.token_ids = seq.block_tokens(i)
             # if another block already holds this prefix, keep that mapping (this one stays a private copy)
-            self.hash_to_block_id.setdefault(prefix_hash, block.block_id)
+            self.hash_to_block_id.setdefault(h, block.block_id)
+
+    def chain_hashes(self, seq: Sequence, start: int, stop: int, prefix_hash: int | None) -> list[int]:
+        """The chained hashes of seq's full blocks start..stop-1, given the hash of block start-1."""
+        hashes = []
+        for i in range(start, stop):
+            prefix_hash = self.compute_hash(seq.block_tokens(i), prefix_hash)
+            hashes.append(prefix_hash)
+        return hashes
 
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> list[int]:
@@ -175,15 +187,21 @@ class BlockManager:
 
         Freed blocks keep their hash: they stay prefix-cache hits until they are reallocated.
         """
+        freed = self.release(seq.block_table)
+        seq.block_table.clear()
+        seq.num_table_resets += 1
+        return freed
+
+    def release(self, block_table: list[int]) -> list[int]:
+        """Drop one reference to each block of a table, last block first; return the blocks that became free
+        (they go to the back of the free list, keeping their hash)."""
         freed = []
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
                 freed.append(block_id)
-        seq.block_table.clear()
-        seq.num_table_resets += 1
         return freed
 
     # ------------------------------------------------------------------ inspection

@@ -16,6 +16,8 @@ tables [B, W]), which a CUDA-graph runner copies into its padded static buffers 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +47,17 @@ class ModelInput:
         return self.attn.num_decode_seqs == self.num_tokens
 
 
+MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]  # (scheduled, block_size) -> the batch's metadata
+
+
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, block_size: int, device: torch.device | str = "cpu",
+                 attention_metadata: MetadataBuilder | None = None) -> None:
+        """`attention_metadata`: a function that lays out a batch's AttentionMetadata (the learner's exercises
+        3.1 and 3.2, plugged in by nanoengine.pieces); None: the engine's own, below."""
         self.block_size = block_size
         self.device = torch.device(device)
+        self.attention_metadata = attention_metadata
         self.reset()
 
     def reset(self) -> None:
@@ -109,6 +118,8 @@ class InputBuilder:
             num_decode_seqs=len(decodes), decode_block_tables=dtables, decode_context_lens=dctx,
             prefill_query_starts=starts, prefill_query_lens=qlens, prefill_context_lens=ctxs,
             prefill_block_tables=tables, block_size=bs)
+        if self.attention_metadata is not None:  # the learner's (chapter 03), on this device
+            meta = to_device(self.attention_metadata(decodes + prefills, bs), dev)
         return ModelInput(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows, sample_seqs)
 
@@ -131,3 +142,14 @@ class InputBuilder:
                 buf[i, old[i]:n] = decodes[i].seq.block_table[old[i]:n]  # tables only ever grow at the end
                 old[i] = n
         return buf[:, :width]
+
+
+def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """The metadata with its tensors on `device`."""
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return dataclasses.replace(meta, slot_mapping=move(meta.slot_mapping),
+                               decode_block_tables=move(meta.decode_block_tables),
+                               decode_context_lens=move(meta.decode_context_lens),
+                               prefill_block_tables=[move(t) for t in meta.prefill_block_tables])

@@ -46,11 +46,15 @@ class LLMEngine:
             raise CheckpointError(f"{self.model_path}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
                                   f"vocab_size is {hf_config.vocab_size}; the tokenizer files belong to another model")
         self.runner = ModelRunner(self.config, self.model_path)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+        pieces = self.runner.pieces  # the learner's, with use_exercises (nanoengine.pieces); else None
+        block_manager_class = pieces.block_manager_class(BlockManager) if pieces else BlockManager
+        self.block_manager = block_manager_class(self.runner.num_blocks, self.config.block_size,
+                                                 self.config.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.eos_token_ids)
-        self.inputs = InputBuilder(self.config.block_size, self.runner.device)
+        scheduler_class = pieces.scheduler_class(Scheduler) if pieces else Scheduler
+        self.scheduler = scheduler_class(self.config, self.block_manager, self.eos_token_ids)
+        self.inputs = InputBuilder(self.config.block_size, self.runner.device,
+                                   pieces.attention_metadata() if pieces else None)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0

@@ -40,6 +40,7 @@ from nanoengine.layers.linear import prepack_weights
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.models import get_model_class, hf_config
 from nanoengine.models.loader import load_model
+from nanoengine.pieces import Pieces
 
 CPU_KV_CACHE_GB = 2.0  # default KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
 
@@ -66,7 +67,11 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        # the learner's pieces (use_exercises, nanoengine.pieces) replace the engine's through the same seams
+        self.pieces = Pieces.for_config(config)
         self.attn_backend = get_backend(config.attention_backend)
+        if self.pieces is not None:
+            self.attn_backend = self.pieces.attention_backend(self.attn_backend)
         # rank 0 of a tensor-parallel engine starts the other ranks; they build their runners meanwhile
         self.workers = Workers(config, model_path) if rank == 0 and self.tp.size > 1 else None
         with self.lockstep():
@@ -74,7 +79,10 @@ class ModelRunner:
             torch.set_default_dtype(self.dtype)
             try:
                 with torch.device(self.device):
-                    self.model = get_model_class(hf)(hf, config.attention_backend, kernels.for_config(config), self.tp)
+                    model_kernels = kernels.for_config(config)
+                    if self.pieces is not None:
+                        model_kernels = self.pieces.kernels(model_kernels, hf)
+                    self.model = get_model_class(hf)(hf, self.attn_backend, model_kernels, self.tp)
             finally:
                 torch.set_default_dtype(default_dtype)
             load_model(self.model, model_path)
@@ -91,6 +99,8 @@ class ModelRunner:
                 self.graphs = self.make_graphs()
                 self.graphs.capture()
         self.sampler = Sampler(config.seed, compile=config.torch_compile)
+        if self.pieces is not None:
+            self.sampler = self.pieces.sampler(self.sampler, config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
 
     def lockstep(self):

@@ -1,7 +1,9 @@
 """RMSNorm, computed in float32 like Hugging Face's Llama/Qwen3 (then cast back). Chapter 02.
 
 Built with `kernels` (chapter 06: the compiled CPU extension, or the same ops through torch.compile), it runs
-one fused pass instead of the eager ops.
+one fused pass instead of the eager ops. Kernels that need contiguous rows (the compiled ones) get them and
+strided tensors take the eager ops; kernels that take any tensor say so with `contiguous_only = False`
+(the learner's RMSNorm plugged in by nanoengine.pieces, which must see every norm).
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.kernels = kernels
+        self.contiguous_only = getattr(kernels, "contiguous_only", True)  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if self.kernels is not None and x.is_contiguous():
+        if self.kernels is not None and (x.is_contiguous() or not self.contiguous_only):
             return self.kernels.rms_norm(x, None, self.weight, self.eps)[0]
         return rms_norm(x, self.weight, self.eps)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual = x + residual; return norm(residual), residual` (one pass in the decoder)."""
-        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+        if self.kernels is not None and (not self.contiguous_only or (x.is_contiguous() and residual.is_contiguous())):
             normed, residual = self.kernels.rms_norm(x, residual, self.weight, self.eps)
             return normed, residual
         residual = x + residual

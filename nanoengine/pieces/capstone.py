@@ -1,0 +1,90 @@
+"""The capstone of a chapter: the engine on your pieces gives the same greedy text, and the same schedule, as
+the engine on its own. Chapters 02-05 (`nanoengine.check("chNN")` runs it once every exercise passes).
+
+One fixed workload per model (fp32, tiny-qwen3 and smollm2-135m): prompts that share a long prefix (prefix-
+cache hits), a token budget small enough to chunk the prefills, and a KV pool small enough to preempt. Both
+runs are greedy, so every token must match; the per-step schedule (batch size, prefill and decode tokens,
+blocks in use, prefix hits, preemptions) must match too, which catches a piece that is wrong without changing
+the text (a prefix lookup that never hits, a scheduler that never chunks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanoengine.pieces import CHAPTERS
+
+MODELS = ("tiny-qwen3", "smollm2-135m")
+PREFIX = ("You are a careful assistant. Answer in one short sentence, and say so when you do not know. "
+          "Here is the question: ")
+PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Why is the sky blue?",
+           "def fibonacci(n):", PREFIX + "Name a prime number larger than ten."]
+WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8, block_size=16)
+MAX_TOKENS = 16
+_reference: dict[str, tuple[list[list[int]], list[tuple]]] = {}  # model -> the engine's own run
+
+
+@dataclass
+class CapstoneResult:
+    chapter: str
+    rows: list[tuple[str, bool, str]] = field(default_factory=list)  # (model, equal, detail)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(ok for _, ok, _ in self.rows)
+
+
+def run_workload(model: str, **options) -> tuple[list[list[int]], list[tuple], object]:
+    """(token ids per prompt, the per-step schedule, the LLM) of the fixed workload."""
+    from nanoengine import LLM, SamplingParams
+
+    llm = LLM(model, **WORKLOAD, **options)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    steps = [(s.num_seqs, s.prefill_tokens, s.decode_tokens, s.used_blocks, s.cache_hit_tokens, s.num_preempted)
+             for s in llm.engine.stats]
+    return [list(o.outputs[0].token_ids) for o in outs], steps, llm
+
+
+STEP_FIELDS = ("sequences", "prefill tokens", "decode tokens", "blocks in use", "prefix-hit tokens", "preemptions")
+
+
+def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
+    if model not in _reference:
+        ids, steps, _ = run_workload(model, use_exercises=())
+        _reference[model] = (ids, steps)
+    want_ids, want_steps = _reference[model]
+    got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir))
+    tok = llm.get_tokenizer()
+    for p, (got, want) in enumerate(zip(got_ids, want_ids)):
+        if got != want:
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            return False, (f"prompt {p}: token {i} differs: yours {tok.decode(got[: i + 1])!r} vs the engine's "
+                           f"{tok.decode(want[: i + 1])!r}")
+    for s, (got, want) in enumerate(zip(got_steps, want_steps)):
+        if got != want:
+            what = [f"{name} {a} vs {b}" for name, a, b in zip(STEP_FIELDS, got, want) if a != b]
+            return False, f"same text, but step {s} differs (yours vs the engine's): {', '.join(what)}"
+    if len(got_steps) != len(want_steps):
+        return False, f"same text, but {len(got_steps)} steps vs the engine's {len(want_steps)}"
+    hits = sum(st[4] for st in got_steps)
+    preempted = sum(st[5] for st in got_steps)
+    return True, (f"{len(PROMPTS)} prompts x {MAX_TOKENS} tokens equal, and all {len(got_steps)} steps "
+                  f"({hits} prefix-hit tokens, {preempted} preemptions)")
+
+
+def capstone(chapter: str, exercises_dir: Path, models: tuple[str, ...] = MODELS) -> CapstoneResult:
+    """Run the chapter's capstone: the fixed workload on your pieces vs on the engine's own, per model."""
+    if chapter not in CHAPTERS:
+        raise ValueError(f"{chapter} plugs no pieces into the engine; chapters with pieces: {', '.join(CHAPTERS)}")
+    result = CapstoneResult(chapter)
+    for model in models:
+        t0 = time.perf_counter()
+        try:
+            ok, detail = compare(model, chapter, exercises_dir)
+        except Exception as e:  # a learner's piece failing inside the engine is a result, not a crash
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        result.rows.append((model, ok, f"{detail} [{time.perf_counter() - t0:.1f} s]"))
+    return result

@@ -1,0 +1,77 @@
+"""Chapter 03's pieces in the engine: your batch slot mapping and attention metadata in the input builder,
+and an attention backend whose K/V store, paged decode attention and paged prefill attention are yours.
+
+The backend keeps the exercises' cache layout, blocks first: k_cache, v_cache [num_blocks, block_size,
+num_kv_heads, head_dim] per layer (the engine's torch backend stores heads first; a backend declares its own
+layout with `kv_cache_shape`, and the model runner allocates what it says). It plans nothing: your functions
+read the step's slot mapping, block tables and context lengths straight from the AttentionMetadata that
+your 3.2 built. A prompt chunk with no cached prefix attends over its own tokens (chapter 02's piece, or the
+engine's); every other query attends over your blocks.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from nanoengine.attention import AttentionMetadata, AttentionPlan, TorchAttention
+from nanoengine.pieces.learner import check_result, piece
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def attention_metadata(module: ModuleType):
+    """Your attention_metadata(scheduled, block_size) (with your batch_slot_mapping), checked against the
+    batch's shape; the input builder uses it in place of its own."""
+    build = piece(module, "attention_metadata", "ch03")
+    piece(module, "batch_slot_mapping", "ch03")  # your attention_metadata calls it
+
+    def checked(scheduled: list, block_size: int) -> AttentionMetadata:
+        meta = build(scheduled, block_size)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        check_result(isinstance(meta, AttentionMetadata), build,
+                     f"a {type(meta).__name__}; it must return an AttentionMetadata")
+        check_result(meta.slot_mapping.shape == (num_tokens,), build,
+                     f"a slot_mapping of shape {tuple(meta.slot_mapping.shape)} for {num_tokens} new tokens")
+        return meta
+
+    return checked
+
+
+def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchAttention]:
+    """`base` with the blocks-first cache layout, your store_kv, paged_decode_attention and
+    paged_prefill_attention."""
+    store_kv = piece(module, "store_kv", "ch03")
+    decode = piece(module, "paged_decode_attention", "ch03")
+    prefill = piece(module, "paged_prefill_attention", "ch03")
+
+    class LearnerPagedAttention(base):
+        @staticmethod
+        def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+            return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+        @classmethod
+        def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> AttentionPlan:
+            return AttentionPlan()  # your functions take the metadata as it is
+
+        def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> None:
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+
+        def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+            # q [num_decode_seqs, num_heads, head_dim]
+            out = decode(q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                         self.scale)
+            check_result(isinstance(out, torch.Tensor) and out.shape == q.shape, decode,
+                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; it must return q's shape")
+            return out.to(q.dtype)
+
+        def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+            out = prefill(q, self.k_cache, self.v_cache, block_table, context_len, self.scale)
+            check_result(isinstance(out, torch.Tensor) and out.shape == q.shape, prefill,
+                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; it must return q's shape")
+            return out.to(q.dtype)
+
+    return LearnerPagedAttention

@@ -1,0 +1,125 @@
+"""The learner's pieces inside the engine (nanoengine.pieces, `use_exercises`): the reference solutions
+plugged in give the engine's own tokens and schedule (the capstone), an untouched stub is an error naming its
+exercise, and a wrong piece makes the capstone fail with a message that says where."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.config import EngineConfig
+from nanoengine.errors import ExerciseError, ExerciseNotDoneError, InvalidValueError
+from nanoengine.pieces import CHAPTERS, chapters_of, use_exercises
+from nanoengine.pieces.capstone import capstone
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "solutions"
+STUBS = ROOT / "exercises"  # generated from solutions/, untouched in the repository
+
+pytestmark = pytest.mark.xdist_group("tiny")
+
+
+def chapter_with(tmp_path: Path, chapter: str, extra: str) -> Path:
+    """A folder holding the solution of `chapter` with `extra` code appended (redefining one piece)."""
+    src = next(SOLUTIONS.glob(f"{chapter}_*.py"))
+    shutil.copy(src, tmp_path / src.name)
+    with open(tmp_path / src.name, "a") as f:
+        f.write("\n\n" + textwrap.dedent(extra))
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", list(CHAPTERS))
+def test_capstone_passes_on_the_solutions(chapter):
+    result = capstone(chapter, SOLUTIONS, models=("tiny-qwen3",))
+    assert result.passed, result.rows
+    assert "preemptions" in result.rows[0][2]
+
+
+@pytest.mark.slow
+def test_all_chapters_pieces_together_give_the_engines_tokens():
+    prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    opts = dict(dtype="float32", max_num_batched_tokens=16)
+    want = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", **opts).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny-qwen3", use_exercises=list(CHAPTERS), exercises_dir=str(SOLUTIONS), **opts)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    # the pieces really are in place: the learner's backend, block manager, scheduler and sampler
+    runner = llm.engine.runner
+    assert runner.attn_backend.__name__ == "LearnerPromptAttention"
+    assert type(llm.engine.block_manager).__name__ == "LearnerBlockManager"
+    assert type(llm.engine.scheduler).__name__ == "LearnerScheduler"
+    assert type(runner.sampler).__name__ == "LearnerSampler"
+    assert runner.kv_cache_shape[1] == llm.engine.config.block_size  # chapter 03's blocks-first layout
+
+
+@pytest.mark.parametrize("chapter", list(CHAPTERS))
+def test_a_stub_is_an_error_naming_its_exercise(chapter):
+    with pytest.raises(ExerciseNotDoneError, match=rf"Exercise {int(chapter[2:])}\.\d") as e:
+        LLM("tiny-qwen3", use_exercises=[chapter], exercises_dir=str(STUBS), dtype="float32")
+    assert "stub" in str(e.value) and chapter in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_wrong_rope_fails_the_capstone_at_the_first_wrong_token(tmp_path):
+    folder = chapter_with(tmp_path, "ch02", '''
+        def apply_rope(x, positions, theta):
+            """Exercise 2.2: the classic mistake, the interleaved layout (pairs 2i, 2i+1)."""
+            d = x.shape[-1]
+            inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            ang = positions.float()[:, None] * inv_freq[None, :]
+            cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+            a, b = x.float()[..., 0::2], x.float()[..., 1::2]
+            return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+        ''')
+    result = capstone("ch02", folder, models=("tiny-qwen3",))
+    assert not result.passed
+    assert "differs" in result.rows[0][2] and "token" in result.rows[0][2], result.rows
+
+
+@pytest.mark.slow
+def test_a_prefix_lookup_that_never_hits_keeps_the_text_but_fails_on_the_schedule(tmp_path):
+    folder = chapter_with(tmp_path, "ch04", '''
+        def count_cached_tokens(token_ids, cached, block_size):
+            """Exercise 4.2: never a hit (the text stays right; the schedule does not)."""
+            return 0
+        ''')
+    result = capstone("ch04", folder, models=("tiny-qwen3",))
+    assert not result.passed
+    assert "same text" in result.rows[0][2] and "prefix-hit tokens" in result.rows[0][2], result.rows
+
+
+def test_what_a_piece_raises_or_returns_wrongly_names_the_exercise(tmp_path):
+    folder = chapter_with(tmp_path, "ch02", '''
+        def rms_norm(x, weight, eps):
+            """Exercise 2.1: returns the wrong shape."""
+            return x.sum(-1)
+        ''')
+    llm = LLM("tiny-qwen3", use_exercises=["ch02"], exercises_dir=str(folder), dtype="float32")
+    with pytest.raises(ExerciseError, match=r"Exercise 2\.1 \(rms_norm\) returned a tensor of shape"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_options_are_checked():
+    assert chapters_of(["ch03", 2, "02"]) == ("ch02", "ch03")
+    with pytest.raises(InvalidValueError, match="not a chapter with engine pieces"):
+        EngineConfig(use_exercises=["ch09"])
+    with pytest.raises(InvalidValueError, match="is not a folder"):
+        EngineConfig(use_exercises=["ch02"], exercises_dir="/no/such/folder")
+    with pytest.raises(InvalidValueError, match="use_exercises is empty"):
+        EngineConfig(exercises_dir=str(SOLUTIONS))
+    with pytest.raises(InvalidValueError, match="attention_backend='triton' cannot be used"):
+        LLM("tiny-qwen3", use_exercises=["ch03"], exercises_dir=str(SOLUTIONS), attention_backend="triton")
+
+
+def test_use_exercises_sets_the_default_of_later_engines():
+    with use_exercises(["ch04"], exercises_dir=SOLUTIONS):
+        cfg = EngineConfig()
+        assert cfg.use_exercises == ("ch04",) and cfg.exercises_dir == str(SOLUTIONS)
+        assert EngineConfig(use_exercises=[]).use_exercises == ()  # an engine that says otherwise
+    assert EngineConfig().use_exercises == ()
