@@ -7,7 +7,7 @@ incremental detokenization.
 
 Exercise 1.1: BPE-merge one pre-token by merge ranks.
 Exercise 1.2: encode a whole text: normalize, pre-tokenize, merge, look up ids.
-Exercise 1.3: incremental decoding that never splits a UTF-8 character.
+Exercise 1.3: offset-based incremental detokenization, as the engine streams text.
 Exercise 1.4: build the Qwen3 chat prompt by hand.
 
 `load_ranks` and `PATTERN` are given: the vocabulary as {token bytes: id} and Qwen3's pre-tokenizer regex.
@@ -15,15 +15,15 @@ Exercise 1.4: build the Qwen3 chat prompt by hand.
 
 from __future__ import annotations
 
-import codecs
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import regex
 
 from nanoengine.assets import QWEN_PATTERN as PATTERN  # Qwen3's pre-tokenizer regex (needs `regex`, not `re`)
 
-__all__ = ["PATTERN", "load_ranks", "bpe_merge", "encode", "stream_decode", "chat_prompt"]
+__all__ = ["PATTERN", "load_ranks", "bpe_merge", "encode", "detokenize_incrementally", "chat_prompt"]
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -65,15 +65,21 @@ def encode(text: str, ranks: dict[bytes, int]) -> list[int]:
     raise NotImplementedError("Exercise 1.2: the token ids of `text` (no special tokens), as Qwen3's tokenizer computes them - see book/01_tokenization.ipynb")
 
 
-def stream_decode(token_ids: list[int], token_bytes: dict[int, bytes]) -> list[str]:
-    """Exercise 1.3: one text delta per token, never splitting a UTF-8 character.
+def detokenize_incrementally(decode: Callable[[list[int]], str], token_ids: list[int], prefix_offset: int,
+                             read_offset: int) -> tuple[str, int, int]:
+    """Exercise 1.3: the text delta of the newest token, with two offsets: (delta, prefix_offset, read_offset).
 
-    `token_bytes[id]` is the token's bytes. A token may end in the middle of a multi-byte character: hold
-    those bytes back until the token that completes the character, then emit the character in that
-    token's delta. Delta i is exactly the text completed by token i (possibly ''); the deltas joined are
-    the full decoded text. (Any byte sequence that can never become valid UTF-8 decodes to U+FFFD.)
+    `token_ids` are all the ids so far, the new one last; `decode(ids)` is the tokenizer's decode. The text of
+    token_ids[:read_offset] has been emitted already; token_ids[prefix_offset:read_offset] is a few tokens of
+    context that are decoded again next to the new ones, because a token may decode differently alone than
+    after its neighbours (a byte of a multi-byte character decodes to U+FFFD alone). Decode only from
+    prefix_offset on, never the whole list, so each step costs the same however long the output grows.
+
+    Return ("", prefix_offset, read_offset) (unchanged) while the new tokens add no text, or their text ends
+    in U+FFFD (a character not complete yet). Otherwise return the text they add and move the window: the
+    old read_offset becomes the prefix_offset, and read_offset moves to the end.
     """
-    raise NotImplementedError("Exercise 1.3: one text delta per token, never splitting a UTF-8 character - see book/01_tokenization.ipynb")
+    raise NotImplementedError("Exercise 1.3: the text delta of the newest token, with two offsets: (delta, prefix_offset, read_offset) - see book/01_tokenization.ipynb")
 
 
 def chat_prompt(messages: list[dict[str, str]], enable_thinking: bool = True) -> str:

@@ -1,12 +1,16 @@
 """Exercises of book/01_tokenization.ipynb, checked against the real Qwen3 tokenizer (Hugging Face
-`tokenizers`) and nanoengine's chat prompt and detokenizer."""
+`tokenizers`) and nanoengine's chat prompt and incremental detokenizer. A wrong answer is also compared with
+the classic mistakes (no NFC normalization, decoding each token alone, emitting half a character, decoding
+the whole output every step), so the message can say which one it looks like; each test also checks that
+it names them."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
-from ex_helpers import assert_equal, assert_same_list, book
+from ex_helpers import assert_detects, assert_equal, assert_same_list, book, explained
 
 CHAPTER = "ch01_tokenization"
 pytestmark = pytest.mark.xdist_group("ex_ch01")
@@ -77,35 +81,116 @@ def bytes_of(token: str) -> bytes:
     return bytes(decode[c] for c in token)
 
 
-def test_1_2_encode_matches_qwen3_tokenizer(ex, tok, ranks):
-    where = book(NB, "1.2")
+def encode_without_nfc(tok, text):
+    """The ids of `text` pre-tokenized and merged as Qwen3 does, but without its NFC normalization."""
+    pieces = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    return [t.id for piece, _ in pieces for t in tok.backend_tokenizer.model.tokenize(piece)]
+
+
+NO_NFC = ("encoding without NFC normalization: unicodedata.normalize(\"NFC\", text) first, so that e + a combining "
+          "accent becomes the one character é, as the tokenizer's normalizer does")
+
+
+def check_encode(encode, tok, where: str) -> None:
     for text in SAMPLES + random_texts(100, seed=2):
         want = tok.encode(text, add_special_tokens=False)
-        got = ex.encode(text, ranks)
-        assert_same_list(got, want, f"ids of {text!r}", where)
+        got = encode(text)
+        with explained(got, {NO_NFC: lambda text=text: encode_without_nfc(tok, text)},
+                       same=lambda a, b: list(a) == b if isinstance(a, (list, tuple)) else False):
+            assert_same_list(got, want, f"ids of {text!r}", where)
 
 
-def test_1_3_stream_decode_never_splits_a_character(ex, tok, ranks):
-    where = book(NB, "1.3")
-    token_bytes = {i: b for b, i in ranks.items()}
-    texts = SAMPLES + ["🦜𝕏𓀀🜁 rare characters split over tokens", "ｈｅｌｌｏ　ｗｏｒｌｄ"] + random_texts(60, seed=3)
-    split_seen = False
+def test_1_2_encode_matches_qwen3_tokenizer(ex, tok, ranks):
+    where = book(NB, "1.2")
+    check_encode(lambda text: ex.encode(text, ranks), tok, where)
+
+    def no_nfc(text):
+        return encode_without_nfc(tok, text)
+    assert_detects(lambda fn: check_encode(fn, tok, where), no_nfc, NO_NFC)
+
+
+def detok_alone(decode, ids, prefix_offset, read_offset):
+    """Decodes the newest token by itself."""
+    return decode(ids[-1:]), prefix_offset, len(ids)
+
+
+def detok_no_hold_back(decode, ids, prefix_offset, read_offset):
+    """Emits whatever the window adds, half a character (U+FFFD) included."""
+    prefix_text, new_text = decode(ids[prefix_offset:read_offset]), decode(ids[prefix_offset:])
+    if len(new_text) <= len(prefix_text):
+        return "", prefix_offset, read_offset
+    return new_text[len(prefix_text):], read_offset, len(ids)
+
+
+def detok_whole(decode, ids, prefix_offset, read_offset):
+    """Right deltas and offsets, but decodes the whole output every step."""
+    full, before = decode(ids), decode(ids[:read_offset])
+    if len(full) <= len(before) or full.endswith("\ufffd"):
+        return "", prefix_offset, read_offset
+    return full[len(before):], read_offset, len(ids)
+
+
+DETOK_MISTAKES = {
+    "decoding each token alone: a token may hold part of a character, which decodes to U+FFFD by itself; "
+    "decode the window token_ids[prefix_offset:] and emit what it adds to token_ids[prefix_offset:read_offset]":
+        detok_alone,
+    "emitting half a character: while the window's text ends in U+FFFD, hold back (return '' and the same "
+    "offsets); the next token completes it": detok_no_hold_back,
+}
+WHOLE = ("decoding the whole output every step: decode only from prefix_offset on, so that a step costs the "
+         "same at token 10,000 as at token 10")
+
+
+def check_detokenizer(fn, tok, token_bytes, where: str) -> None:
+    from nanoengine.tokenizer import IncrementalDetokenizer
+
+    texts = SAMPLES + ["🦜𝕏𓀀🜁 rare characters split over tokens", "ｈｅｌｌｏ　ｗｏｒｌｄ", "Straße, 東京 and 🚀 " * 8,
+                       "an end of turn<|im_end|> and then 🦜<|im_start|>"] + random_texts(60, seed=3)
+    seen = {"held back": 0, "emitted after holding back": 0, "special token": 0}
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
-        got = ex.stream_decode(ids, token_bytes)
-        assert_equal(len(got) if isinstance(got, list) else got, len(ids),
-                     f"number of deltas for the {len(ids)} tokens of {text!r}", where)
-        for i in range(len(ids)):
-            # what a reader may have seen after token i: every complete character so far, nothing more
-            want_so_far = tok.decode(ids[: i + 1]).rstrip("\ufffd")
-            have = "".join(got[: i + 1])
-            if have != want_so_far:
-                raise AssertionError(
-                    f"text after token {i} of {text!r} (ids {ids[: i + 1]}): your deltas give {have!r}, "
-                    f"expected {want_so_far!r} (emit each character in the delta of the token that completes "
-                    f"it, never a partial one) {where}")
-            split_seen |= got[i] == "" and i + 1 < len(ids)
-    assert split_seen, "test texts should include characters split over tokens"
+        engine = IncrementalDetokenizer(tok)
+        longest = 0
+
+        def decode(window, engine=engine):
+            nonlocal longest
+            longest = max(longest, len(window))
+            return engine._decode(window)
+
+        prefix, read, have = 0, 0, ""
+        for i, t in enumerate(ids):
+            want = engine.push(t)
+            want_state = (want, engine.prefix_offset, engine.read_offset)
+            longest = 0
+            got = fn(decode, ids[: i + 1], prefix, read)
+            what = (f"detokenize_incrementally(decode, ids[:{i + 1}], prefix_offset={prefix}, read_offset={read}) "
+                    f"for the {len(ids)} tokens of {text!r} (ids {ids[max(0, i - 3): i + 1]} at the end)")
+            variants = {d: functools.partial(v, engine._decode, ids[: i + 1], prefix, read)
+                        for d, v in DETOK_MISTAKES.items()}
+            with explained(got, variants):
+                assert_equal(tuple(got) if isinstance(got, (tuple, list)) else got, want_state,
+                             f"(delta, prefix_offset, read_offset) of {what}", where)
+            if longest > i + 1 - prefix:
+                raise AssertionError(f"{what} decoded a window of {longest} tokens; only the "
+                                     f"{i + 1 - prefix} from prefix_offset on are needed. This looks like {WHOLE}. "
+                                     f"{where}")
+            seen["held back"] += want == "" and t < len(token_bytes) and not token_bytes[t].isascii()
+            seen["emitted after holding back"] += bool(want) and read < i
+            seen["special token"] += t >= len(token_bytes)
+            _, prefix, read = got
+            have += got[0]
+        assert_equal(have, engine.text, f"the text of all deltas of {text!r}", where)
+    assert all(seen.values()), f"test bug: the texts should cover every case: {seen}"
+
+
+def test_1_3_incremental_detokenizer_matches_the_engine(ex, tok, ranks):
+    where = book(NB, "1.3")
+    token_bytes = {i: b for b, i in ranks.items()}
+    token_bytes = [token_bytes[i] for i in range(len(token_bytes))]
+    check_detokenizer(ex.detokenize_incrementally, tok, token_bytes, where)
+    for description, wrong in DETOK_MISTAKES.items():
+        assert_detects(lambda fn: check_detokenizer(fn, tok, token_bytes, where), wrong, description)
+    assert_detects(lambda fn: check_detokenizer(fn, tok, token_bytes, where), detok_whole, WHOLE)
 
 
 def random_conversation(rng: random.Random) -> list[dict[str, str]]:
