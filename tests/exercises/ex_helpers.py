@@ -4,6 +4,7 @@ answer matches one (`explained`), and checks first that its checker names each o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -94,7 +95,16 @@ def explained(got: Any, variants: dict[str, Callable[[], Any]],
         hint = looks_like(got, variants, same)
         if not hint:
             raise
-        raise AssertionError(f"{e}{hint}") from None
+        raise AssertionError(with_hint(str(e), hint)) from None
+
+
+_WHERE = re.compile(r"\s*(\(Exercise \d+\.\d+; see book/[^)]*\))\s*$")
+
+
+def with_hint(message: str, hint: str) -> str:
+    """The message with the hint before its closing "(Exercise N.M; see book/...)", if it has one."""
+    m = _WHERE.search(message)
+    return f"{message[:m.start()]}.{hint} {m.group(1)}" if m else f"{message}{hint}"
 
 
 def assert_detects(checker: Callable[[Callable], None], wrong: Callable, phrase: str) -> None:

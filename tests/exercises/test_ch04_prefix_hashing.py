@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from ex_helpers import assert_detects, assert_equal, assert_same_list, book
+from ex_helpers import assert_detects, assert_equal, assert_same_list, book, with_hint
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
@@ -229,7 +229,7 @@ class Lockstep:
         try:
             yield
         except AssertionError as e:
-            raise AssertionError(f"{e}{self.hint()}") from None
+            raise AssertionError(with_hint(str(e), self.hint())) from None
 
 
 def run_workload(make, seed, bs, num_blocks, steps, free_prob, where):
