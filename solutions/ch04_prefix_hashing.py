@@ -147,15 +147,18 @@ def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, i
     """Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does.
 
     `bm` is a nanoengine BlockManager, `waiting` new Sequences (empty block tables), in order; `budget` the
-    tokens this step may compute. For each sequence, while budget is left:
-      1. hits = bm.match_prefix(seq) (it attaches the hit blocks); seq.num_cached_tokens = hits; the sequence
-         computes from min(hits, seq.num_tokens - 1): the last prompt token is always computed, for its logits;
-      2. n = its remaining tokens, capped by the budget; if bm.can_allocate(seq, n) is False, undo the hit
-         (bm.free(seq), num_computed_tokens = num_cached_tokens = 0) and try the next sequence;
-      3. bm.allocate(seq, n), then register the blocks this step fills, now, before the next sequence is
-         admitted (bm.cache_full_blocks(seq, seq.num_computed_tokens + n)): an identical prompt admitted later
-         in the same step shares them.
-    Return [(seq, n)] for the admitted sequences, in order (leave num_computed_tokens at the step's start).
+    tokens this step may compute. Admit them in order while budget is left:
+    - a sequence reuses the cached blocks of its leading full blocks (bm.match_prefix) and records the hit
+      tokens in seq.num_cached_tokens;
+    - it computes from there, except that its last prompt token is always computed, even when every block
+      hit: that token's logits give the first output token;
+    - it computes as many of its remaining tokens as the budget allows;
+    - a sequence whose new blocks do not fit is skipped and leaves nothing behind (no blocks held, its counts
+      0); a later one may still fit;
+    - the blocks a sequence fills this step are in the cache before the next one is admitted
+      (bm.cache_full_blocks), so an identical prompt in the same step shares them.
+    Return [(seq, num_new_tokens)] for the admitted sequences, in order; leave seq.num_computed_tokens at
+    the step's start (the engine adds num_new_tokens after the forward pass).
     """
     # BEGIN SOLUTION
     admitted = []
