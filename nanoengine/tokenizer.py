@@ -7,6 +7,7 @@ once it no longer ends in the replacement character U+FFFD.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,27 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 REPLACEMENT_CHAR = "\ufffd"
 
 
+# path and tokenizer files' stamps -> a loaded tokenizer; each engine gets its own deep copy of it (the Qwen3
+# tokenizer takes 2-4 s to load, mostly parsing its JSON in Python; a copy ~0.3 s), so an engine that edits
+# its tokenizer (a chat template, added tokens) changes no other engine's
+_LOADED: dict[tuple, Any] = {}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
 def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer of a model folder (or hub-style name), a fresh copy for each caller."""
+    folder = Path(path)
+    if folder.is_dir():
+        files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+        key = (str(folder.resolve()), *((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+        if key not in _LOADED:
+            _LOADED[key] = _load_tokenizer(folder)
+        return copy.deepcopy(_LOADED[key])
+    return _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     from nanoengine.errors import CheckpointError
