@@ -297,3 +297,19 @@ def test_sigterm_with_a_request_in_flight_exits_within_5_s():
         assert finishes in ([], ["abort"])
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_server_in_a_thread_of_this_process():
+    """The book's way: the same Server from a background thread, stopped by leaving the with block."""
+    from nanoengine.serve.app import Server
+
+    server = Server(MODEL, port=0, log_level="warning",
+                    engine_options={"dtype": "float32", "num_kvcache_blocks": 64, "max_model_len": 256})
+    with server:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    assert server._thread is None and server.sock.fileno() == -1  # stopped, and the port let go
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5)

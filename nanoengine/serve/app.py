@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -282,38 +283,98 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str | None = None,
-          trace: bool = False, shutdown_grace_s: float = 2.0, log_level: str = "info",
-          engine_options: dict[str, Any] | None = None) -> int:
-    """Load the model, listen, and serve until SIGINT/SIGTERM; returns the exit status."""
-    from nanoengine.engine.llm_engine import LLMEngine
-    from nanoengine.serve.metrics import ServerMetrics
+class Server:
+    """The whole server in this process: the model's engine, its thread, the app, uvicorn on a bound socket.
+    `run()` serves in the foreground until SIGINT/SIGTERM (`nanoengine serve`); `start()` serves from a
+    background thread (a notebook, a test) until `stop()`, or use it as a context manager:
 
-    if not shutdown_grace_s >= 0:
-        raise ProtocolError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace_s}", "shutdown_grace")
-    sock = _bind(host, port)
-    prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
-    llm_engine = LLMEngine(model, **(engine_options or {}))
-    name = served_model_name or str(model)
-    engine = AsyncEngine(llm_engine, ServerMetrics(name), trace=trace)
-    config = uvicorn.Config(build_app(engine, name), log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
-    server = _Server(config, engine, shutdown_grace_s)
-    url_host = f"[{host}]" if ":" in host else host
-    print(f"nanoengine serve: {name} on http://{url_host}:{sock.getsockname()[1]}/v1 "
-          f"({llm_engine.config.device}, {llm_engine.config.dtype}, {llm_engine.block_manager.num_blocks} KV blocks)",
-          flush=True)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        engine.stop()
-        llm_engine.close()
-        sock.close()
+        with Server("tiny-qwen3", port=0) as server:
+            client = OpenAI(base_url=server.url, api_key="none")
+    """
+
+    def __init__(self, model: str, host: str = "127.0.0.1", port: int = 8000, *,
+                 served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
+                 log_level: str = "info", engine_options: dict[str, Any] | None = None) -> None:
+        from nanoengine.engine.llm_engine import LLMEngine
+        from nanoengine.serve.metrics import ServerMetrics
+
+        if isinstance(shutdown_grace_s, bool) or not isinstance(shutdown_grace_s, (int, float)) \
+                or not shutdown_grace_s >= 0:
+            raise ProtocolError(f"shutdown_grace_s must be >= 0 seconds, got {shutdown_grace_s!r}", "shutdown_grace")
+        self.sock = _bind(host, port)
+        try:
+            self.llm_engine = LLMEngine(model, **(engine_options or {}))
+        except BaseException:
+            self.sock.close()
+            raise
+        prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
+        self.name = served_model_name or str(model)
+        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace)
+        config = uvicorn.Config(build_app(self.engine, self.name), log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
+        self.grace_s = shutdown_grace_s
+        self.uvicorn = _Uvicorn(config, self.engine, shutdown_grace_s)
+        url_host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"  # what the openai client takes
+        self._thread: threading.Thread | None = None
+
+    def describe(self) -> str:
+        cfg = self.llm_engine.config
+        return (f"{self.name} on {self.url} ({cfg.device}, {cfg.dtype}, {self.llm_engine.block_manager.num_blocks} "
+                "KV blocks)")
+
+    def run(self) -> int:
+        """Serve until SIGINT/SIGTERM; returns the exit status."""
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:
+            self._close()
+        return 0
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve from a background thread; returns once uvicorn is up."""
+        self._thread = threading.Thread(target=self.run, name="nanoengine-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start (see its log above)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """As SIGTERM does: no new requests, the running ones get the grace period, then uvicorn exits."""
+        if self._thread is None:
+            return
+        self.engine.begin_shutdown(self.grace_s)
+        self.uvicorn.should_exit = True
+        self._thread.join(self.grace_s + 10)
+        self._thread = None
+
+    def _close(self) -> None:
+        self.engine.stop()
+        self.llm_engine.close()
+        self.sock.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> int:
+    """`nanoengine serve`: load the model, listen, serve until SIGINT/SIGTERM; returns the exit status.
+    options: those of Server."""
+    server = Server(model, host, port, **options)
+    print(f"nanoengine serve: {server.describe()}", flush=True)
+    code = server.run()
     print("nanoengine serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    return code
 
 
-class _Server(uvicorn.Server):
+class _Uvicorn(uvicorn.Server):
     """uvicorn's Server, told about the engine: on the first SIGINT/SIGTERM the engine stops taking requests
     and aborts the in-flight ones after the grace period; a second SIGINT exits at once (uvicorn's rule)."""
 
