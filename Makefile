@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 JOBS ?= 2
 
-.PHONY: setup assets demo lab test test-fast lint figures clean
+.PHONY: setup assets demo lab test test-fast lint figures book-html clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ lint: setup
 
 figures: assets
 	MPLBACKEND=Agg $(PY) figures/make_figures.py
+
+# The book as HTML to read without a kernel (widgets embedded as they were after the run): build/book/
+book-html: assets
+	$(TEST_ENV) $(PY) scripts/book_html.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
