@@ -1,0 +1,268 @@
+"""Exercises of book/06_cuda_graphs.ipynb, checked against nanoengine's own decode graphs (engine/graphs.py:
+batch_buckets, DecodeGraphs.bucket_for and .load) on seeded decode batches, 6.3 against tiny-qwen3's eager
+forward (its hidden states and the KV cache it leaves), and 6.4 against nanoengine.viz.overhead.count_ops."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ex_helpers import assert_close, assert_equal, assert_same_list, book
+from torch.overrides import TorchFunctionMode
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.engine.graphs import DecodeGraphs, batch_buckets
+from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.scheduler import ScheduledSeq
+from nanoengine.engine.sequence import Sequence
+from nanoengine.viz import overhead
+
+CHAPTER = "ch06_cuda_graphs"
+pytestmark = pytest.mark.xdist_group("ex_ch06")
+NB = "06_cuda_graphs.ipynb"
+SIZES = [*range(1, 41), 63, 64, 65, 100, 255, 256, 257, 511, 512, 513, 4096]
+
+
+# ------------------------------------------------------------------------------------------ 6.1
+def test_6_1_graph_buckets_match_the_engine(ex):
+    where = book(NB, "6.1")
+    for m in SIZES:
+        got, want = ex.graph_buckets(m), batch_buckets(m)
+        if got != want and isinstance(got, list) and got == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= m]:
+            raise AssertionError(f"max_num_seqs={m}: this looks like powers of two only; after 8 the buckets go in "
+                                 f"steps of 16, and max_num_seqs itself is always a bucket {where}")
+        if isinstance(got, list) and got and got[-1] != want[-1]:
+            raise AssertionError(f"max_num_seqs={m}: the last bucket is {got[-1]}, expected {want[-1]} (max_num_seqs "
+                                 f"capped at 512), or a batch of {want[-1]} would have no graph {where}")
+        assert_same_list(got, want, f"graph_buckets({m})", where)
+
+
+def test_6_1_pick_bucket_matches_the_engine(ex):
+    where = book(NB, "6.1")
+    for m in (1, 3, 8, 20, 40, 100):
+        graphs = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", m, max_blocks=2, hidden_size=2,
+                              block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+        graphs.capture()
+        for n in range(1, m + 6):
+            got = ex.pick_bucket(batch_buckets(m), n)
+            want = graphs.bucket_for(n)
+            if want is not None and got is not None and got < n:
+                raise AssertionError(f"buckets {graphs.buckets}, batch {n}: bucket {got} has fewer rows than the "
+                                     f"batch; take the smallest bucket that holds every row {where}")
+            assert_equal(got, want, f"pick_bucket({graphs.buckets}, {n})", where)
+
+
+# ------------------------------------------------------------------------------------------ 6.2
+BLOCK = 4
+
+
+def random_sequences(rng: random.Random, count: int = 24) -> list[Sequence]:
+    seqs = []
+    for i in range(count):
+        n = rng.randint(1, 40)
+        s = Sequence(list(range(1000 + 100 * i, 1000 + 100 * i + n)), SamplingParams(), BLOCK)
+        s.block_table = rng.sample(range(1, 500), -(-n // BLOCK))
+        s.num_computed_tokens = n - 1
+        seqs.append(s)
+    return seqs
+
+
+def decode_batches(seed: int, steps: int):
+    """Seeded decode steps whose batches grow, shrink and change members, with tables that grow (a block
+    every BLOCK tokens) and get refilled (a preempted sequence back with other blocks)."""
+    rng = random.Random(seed)
+    seqs = random_sequences(rng)
+    builder = InputBuilder(BLOCK)
+    for _ in range(steps):
+        batch = sorted(rng.sample(seqs, rng.choice([1, 2, 3, 5, 9, 16, 20])), key=lambda s: s.seq_id)
+        for s in batch:
+            if rng.random() < 0.3:
+                s.token_ids.append(7)
+                s.num_computed_tokens += 1
+                if len(s.block_table) * BLOCK < s.num_tokens:
+                    s.block_table.append(rng.randrange(1, 500))
+            if rng.random() < 0.05:
+                s.block_table[:] = rng.sample(range(1, 500), len(s.block_table))
+        yield builder.build([ScheduledSeq(s, 1, False) for s in batch])
+
+
+def fresh_buffers(rows: int, max_blocks: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.zeros(rows, dtype=torch.int64), "positions": torch.zeros(rows, dtype=torch.int64),
+            "slot_mapping": torch.full((rows,), -1, dtype=torch.int64),
+            "context_lens": torch.zeros(rows, dtype=torch.int64),
+            "block_tables": torch.zeros(rows, max_blocks, dtype=torch.int64)}
+
+
+@torch.inference_mode()  # the engine's static buffers are inference tensors
+def test_6_2_load_static_matches_the_engines_buffers(ex):
+    where = book(NB, "6.2")
+    max_blocks = 32
+    engine = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", 20, max_blocks, hidden_size=2,
+                          block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
+    engine.capture()
+    bufs = fresh_buffers(20, max_blocks)
+    originals = dict(bufs)
+    width = 0
+    names = {"input_ids": engine.input_ids, "positions": engine.positions, "slot_mapping": engine.slot_mapping,
+             "context_lens": engine.context_lens, "block_tables": engine.block_tables}
+    for step, inp in enumerate(decode_batches(62, 120)):
+        bs = engine.load(inp)
+        n = inp.num_tokens
+        width = ex.load_static(bufs, width, inp, bs)
+        what = f"step {step} (batch {n}, bucket {bs}, table width {inp.attn.decode_block_tables.shape[1]})"
+        for k, orig in originals.items():
+            if bufs[k] is not orig:
+                raise AssertionError(f"{what}: bufs[{k!r}] was replaced by a new tensor; a captured graph keeps "
+                                     f"reading the old one, so write into it in place (copy_, fill_, zero_) {where}")
+        if n < bs and int(bufs["slot_mapping"][n]) == 0:
+            raise AssertionError(f"{what}: padding row {n} has slot 0, so its K/V would overwrite the first slot "
+                                 f"of block 0; padding rows get slot -1 (stored nowhere) {where}")
+        if n < bs and int(bufs["context_lens"][n]) != 0:
+            raise AssertionError(f"{what}: padding row {n} has context length {int(bufs['context_lens'][n])}; "
+                                 f"0 makes its attention read nothing {where}")
+        stale = bufs["block_tables"][:, engine.used_width:]
+        if stale.any():
+            row, col = (int(i) for i in torch.nonzero(stale)[0])
+            raise AssertionError(f"{what}: row {row} still holds block id {int(stale[row, col])} in column "
+                                 f"{engine.used_width + col}, past this step's width: a stale id a later, larger "
+                                 f"bucket or a wider table would read; clear columns width..used_width-1 in every "
+                                 f"row {where}")
+        for k, want in names.items():
+            assert_close(bufs[k][:bs], want[:bs], f"{what}: {k}[:{bs}]", where, atol=0, rtol=0)
+        assert_equal(width, engine.used_width, f"{what}: the returned width", where)
+
+
+# ------------------------------------------------------------------------------------------ 6.3
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny-qwen3", dtype="float32", attention_backend="torch", block_size=BLOCK, max_num_seqs=8,
+               max_model_len=256, num_kvcache_blocks=96)
+
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 2, "1, 2, 3,", "Once upon a time",
+           "A paged KV cache", "x " * 20]
+
+
+def decode_steps(llm: LLM, lengths=(14, 3, 9, 5, 11, 7)):
+    """Drive the engine by hand; yield each decode-only step's input before the engine runs it."""
+    eng = llm.engine
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS, lengths)]
+    while eng.has_unfinished():
+        out = eng.scheduler.schedule()
+        inp = eng.inputs.build(out.scheduled)
+        if inp.is_decode_only:
+            yield inp
+        sampled = eng.runner.run(inp)
+        eng.scheduler.postprocess(out, sampled)
+    for rid in rids:
+        eng.abort(rid)
+
+
+def test_6_3_replay_equals_eager_and_writes_only_real_rows(ex, tiny):
+    where = book(NB, "6.3")
+    runner = tiny.engine.runner
+    cfg = tiny.config
+    seen: list[torch.Tensor] = []
+
+    def forward(inp):
+        seen.append(inp.input_ids)
+        return runner.eager_forward(inp)
+
+    buckets = batch_buckets(cfg.max_num_seqs)
+    graphs = ex.StandInGraphs(forward, buckets, -(-cfg.max_model_len // BLOCK), cfg.hf_config.hidden_size, BLOCK,
+                              torch.float32)
+    graphs.capture()
+    if len(seen) != len(buckets):
+        raise AssertionError(f"capture() ran the forward {len(seen)} times; once per bucket {buckets} expected {where}")
+    captured = {t.data_ptr() for t in seen}
+    used = Counter()
+    for step, inp in enumerate(decode_steps(tiny)):
+        n = inp.num_tokens
+        kv_before = runner.kv_cache.clone()
+        seen.clear()
+        got = graphs.replay(inp)
+        what = f"decode step {step} (batch {n})"
+        if len(seen) != 1 or seen[0].data_ptr() not in captured or seen[0] is inp.input_ids:
+            raise AssertionError(f"{what}: replay must call one recorded forward, on the static buffers it was "
+                                 f"captured on (called {len(seen)} times"
+                                 f"{', on the step input itself' if seen and seen[0] is inp.input_ids else ''}) "
+                                 f"{where}")
+        used[seen[0].shape[0]] += 1
+        got = got.clone() if isinstance(got, torch.Tensor) else got
+        kv_yours = runner.kv_cache.clone()
+        runner.kv_cache.copy_(kv_before)
+        want = runner.eager_forward(inp)
+        # a bucket's matmuls may round the real rows' K/V in the last bits; a misplaced row differs wholesale
+        changed = ~torch.isclose(kv_yours, runner.kv_cache, atol=1e-5, rtol=1e-5)
+        if changed.any():
+            raise AssertionError(f"{what}: after your replay the KV cache differs from the eager step's in "
+                                 f"{int(changed.sum())} values; a padding row stored K/V somewhere (its slot must "
+                                 f"be -1), or a real row was stored in the wrong slot {where}")
+        assert_close(got, want, f"{what}: replayed hidden states", where, atol=1e-5, rtol=1e-5)
+    assert len(used) >= 3, f"the run was meant to replay several buckets, got {dict(used)}"
+
+
+# ------------------------------------------------------------------------------------------ 6.4
+def function_mode_counts(fn) -> Counter:
+    """The classic mix-up: torch-level calls (TorchFunctionMode) instead of dispatched aten ops."""
+    counts: Counter = Counter()
+
+    class Fn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            counts[getattr(func, "__name__", str(func))] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Fn():
+        fn()
+    return counts
+
+
+def test_6_4_count_ops_matches_a_dispatch_counter(ex, tiny):
+    where = book(NB, "6.4")
+    torch.manual_seed(64)
+    x, y, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 8)
+    runner = tiny.engine.runner
+    steps = decode_steps(tiny, lengths=(4, 4, 4))
+    step_inp = next(steps)
+    cases = {"relu(x + y) * 2": lambda: torch.relu(x + y) * 2,
+             "softmax(linear(x, w))": lambda: F.softmax(F.linear(x, w), -1),
+             "views and an in-place add": lambda: x.clone().view(8, 4).t().add_(1).sum(),
+             "a tiny-qwen3 decode step": lambda: runner.execute(step_inp, step_inp.sample_rows)}
+    for name, fn in cases.items():
+        with torch.inference_mode():
+            want = overhead.count_ops(fn)
+            got = ex.count_ops(fn)
+            if isinstance(got, dict) and Counter(got) != want and Counter(got) == function_mode_counts(fn):
+                raise AssertionError(f"{name}: this looks like torch-level calls (TorchFunctionMode); count the aten "
+                                     f"ops the dispatcher runs, with TorchDispatchMode {where}")
+        if not isinstance(got, dict):
+            raise AssertionError(f"{name}: expected a Counter of op name -> calls, got {type(got).__name__} {where}")
+        got = Counter(got)
+        if got != want:
+            diff = {k: (got.get(k, 0), want.get(k, 0)) for k in set(got) | set(want) if got.get(k, 0) != want.get(k, 0)}
+            raise AssertionError(f"{name}: counts differ (op: yours, expected): {dict(sorted(diff.items())[:8])}; "
+                                 f"count func.overloadpacket.__name__ once per __torch_dispatch__ call {where}")
+    for _ in steps:  # let the engine finish those requests
+        pass
+
+
+def test_6_4_predict_step_ms(ex):
+    where = book(NB, "6.4")
+    rng = random.Random(6)
+    for _ in range(20):
+        ops, us, nbytes, bw = rng.randint(10, 5000), rng.uniform(1, 20), rng.uniform(1e6, 2e9), rng.uniform(5, 500)
+        got = ex.predict_step_ms(ops, us, nbytes, bw)
+        over, mem = ops * us / 1e3, nbytes / (bw * 1e9) * 1e3
+        if not isinstance(got, dict) or set(got) != {"overhead_ms", "memory_ms", "total_ms"}:
+            raise AssertionError(f"expected a dict with overhead_ms, memory_ms, total_ms, got {got!r} {where}")
+        if abs(got["overhead_ms"] - ops * us) < 1e-9 * ops * us:
+            raise AssertionError(f"overhead_ms {got['overhead_ms']:.4g} is in microseconds (ops x per_op_us); "
+                                 f"divide by 1e3 {where}")
+        for key, want in (("overhead_ms", over), ("memory_ms", mem), ("total_ms", over + mem)):
+            if abs(got[key] - want) > 1e-9 * max(1.0, abs(want)):
+                raise AssertionError(f"{ops} ops x {us:.3g} us, {nbytes:.3g} bytes at {bw:.3g} GB/s: {key} "
+                                     f"{got[key]:.6g}, expected {want:.6g} {where}")
