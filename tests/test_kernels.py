@@ -120,3 +120,72 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernels):
     cache = torch.zeros(3, 2, 4, 8)  # 4 query heads over 3 kv heads: not a group
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
         cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539)])
+def test_bf16_linear_equals_the_float32_linear_of_its_weights(kernels, rows, out_features, in_features):
+    """bf16 weights widened to float32, float32 sums: the float32 linear of the same (bf16-valued) weights, up to
+    the order of the sums; partial blocks of rows and columns past a multiple of 8 included."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    got = kernels.bf16_linear(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    # bf16 activations: one rounding of the float32 result, as a bf16 matmul rounds its output
+    got_bf16 = kernels.bf16_linear(x.bfloat16(), weight, None)
+    want_bf16 = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).bfloat16()
+    assert got_bf16.dtype == torch.bfloat16
+    differ = (got_bf16 != want_bf16).float().mean().item()
+    assert differ < 0.02, f"{differ:.1%} of the bf16 outputs differ (sum order can flip a rounding, rarely)"
+    torch.testing.assert_close(got_bf16.float(), want_bf16.float(), rtol=1 / 128, atol=1e-3)
+
+
+def test_bf16_linear_rejects_bad_input(kernels):
+    with pytest.raises(RuntimeError, match="bf16 weight"):
+        kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 8), None)
+    with pytest.raises(RuntimeError, match="same K"):
+        kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 9).bfloat16(), None)
+
+
+def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(kernels):
+    """use_bf16_weights: batches up to max_rows go through the kernel, larger ones through the float32 matmul,
+    both equal to the float32 linear; a float32 weight that bf16 cannot hold exactly is refused."""
+    from nanoengine.errors import InvalidValueError
+    from nanoengine.layers.linear import MergedLinear, use_bf16_weights
+
+    gen = torch.Generator().manual_seed(5)
+    layer = MergedLinear(64, {"q": 48, "k": 16}, bias=True)
+    with pytest.raises(InvalidValueError, match="not exactly bf16"):
+        use_bf16_weights(layer, kernels, 4)
+    layer.weight.data = layer.weight.data.bfloat16().float()
+    plain = torch.nn.functional.linear
+    assert use_bf16_weights(layer, kernels, 4) == 1 and layer.bf16_weight.dtype == torch.bfloat16
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), plain(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_float32_with_bf16_weight_copies_equals_without(kernels, monkeypatch):
+    """smollm2 (a bf16 checkpoint) in float32: greedy tokens with the linears' bf16 weight copies (batches of 1
+    and 5 rows decode through the kernel) == the plain float32 matmuls, and the switch is on by default."""
+    from nanoengine import LLM, SamplingParams
+    from nanoengine.engine import model_runner
+
+    prompts = [[5, 17, 300, 42] * n for n in (1, 7, 15, 3, 30)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for rows in (model_runner.BF16_WEIGHT_MAX_ROWS, 0):
+        monkeypatch.setattr(model_runner, "BF16_WEIGHT_MAX_ROWS", rows)
+        llm = LLM("smollm2-135m", dtype="float32", num_kvcache_blocks=64)
+        head = llm.engine.runner.model.lm_head
+        assert (head.bf16_weight is not None) == bool(rows)
+        outs[rows] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs[rows, "single"] = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[model_runner.BF16_WEIGHT_MAX_ROWS] == outs[0]
+    assert outs[model_runner.BF16_WEIGHT_MAX_ROWS, "single"] == outs[0, "single"]

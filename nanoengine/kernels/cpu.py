@@ -1,8 +1,10 @@
 """The compiled CPU kernels (csrc/cpu_kernels.cpp): building, caching and loading them. Chapters 03 and 06.
 
-One C++ extension holds four kernels: paged decode attention that reads K/V in place from the blocks (the
-`cpu` attention backend), and fused (residual +) RMSNorm, rotary and SwiGLU for the model's glue, which
-round where the eager ops round. It is compiled with the C++ compiler torch uses
+One C++ extension holds five kernels: paged decode attention that reads K/V in place from the blocks (the
+`cpu` attention backend), fused (residual +) RMSNorm, rotary and SwiGLU for the model's glue, which
+round where the eager ops round, and a small-batch linear with bf16 weights (`bf16_linear`, for decode
+steps: `layers.linear.use_bf16_weights`). The hot loops use AVX2/FMA intrinsics where the compiler targets
+them (-march=native picks them on the machine that builds), and plain loops elsewhere. It is compiled with the C++ compiler torch uses
 (`torch.utils.cpp_extension`, about 30 s) into `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`,
 once: by `make assets` (`python -m nanoengine.kernels`), or at first use with a message saying so. A built
 library is imported directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and

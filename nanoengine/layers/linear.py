@@ -15,15 +15,25 @@ On a CPU with bf16 support, `prepack_weights(model)` (chapter 06) reorders every
 blocked layout. A plain `F.linear` reorders the weight on every call; decode steps multiply a few rows by
 the whole weight, so that per-call reorder is much of their time (1.3-1.8x faster linears at batch 1-32 here).
 The packed copy is an opaque oneDNN tensor beside the ordinary weight (which loading and tests still use).
+
+Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoints in float32),
+`use_bf16_weights(model, kernels, max_rows)` (chapter 06) gives every linear a bfloat16 copy of its weight
+that the C++ kernel `bf16_linear` multiplies batches of up to `max_rows` rows with: a decode step streams
+every weight once, so half the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the
+float32 weight is a widened bf16), and the sums are float32, so the output is the float32 linear's up to
+the order of the sums. Larger batches (prefill) keep the ordinary float32 matmul.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.group import SINGLE, TPGroup
+from nanoengine.errors import InvalidValueError
 
 
 def checkpoint_shape(loaded) -> tuple[int, ...]:
@@ -50,14 +60,24 @@ class PackableLinear(nn.Linear):
     """nn.Linear whose weight can be prepacked for oneDNN on CPU (see the module docstring)."""
 
     packed_weight: torch.Tensor | None = None
+    bf16_weight: torch.Tensor | None = None  # [out, in] bf16 copy for small batches (use_bf16_weights)
+    bf16_max_rows: int = 0
+    bf16_kernels: Any = None
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+
+    def use_bf16(self, kernels: Any, max_rows: int) -> None:
+        """Multiply batches of up to max_rows rows with a bf16 copy of the weight (the C++ `bf16_linear`)."""
+        self.bf16_weight = self.weight.detach().to(torch.bfloat16).contiguous()
+        self.bf16_max_rows, self.bf16_kernels = max_rows, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.bf16_weight is not None and x.dim() == 2 and x.shape[0] <= self.bf16_max_rows:
+            return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias)  # [rows, out]
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -68,6 +88,21 @@ def prepack_weights(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
     for m in layers:
         m.prepack()
+    return len(layers)
+
+
+def use_bf16_weights(model: nn.Module, kernels: Any, max_rows: int) -> int:
+    """Give every PackableLinear of a loaded model a bf16 weight copy for batches of up to max_rows rows (see
+    the module docstring); returns how many. A float32 weight must be exactly representable in bf16 (a bf16
+    checkpoint), so that the copy changes no value: InvalidValueError otherwise."""
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    for m in layers:
+        w = m.weight.detach()
+        if w.dtype == torch.float32 and not torch.equal(w.to(torch.bfloat16).float(), w):
+            raise InvalidValueError(f"use_bf16_weights: a float32 weight {tuple(w.shape)} is not exactly bf16 (not a "
+                                    "bf16 checkpoint); rounding it would change the model's results")
+    for m in layers:
+        m.use_bf16(kernels, max_rows)
     return len(layers)
 
 
