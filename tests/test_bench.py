@@ -218,8 +218,12 @@ def test_cli_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert (tmp_path / "fig" / "bench_cpu-small.png").stat().st_size > 10_000
     assert r["plot_path"] == str(tmp_path / "fig" / "bench_cpu-small.png")
     assert set((ROOT / "figures").iterdir()) == before  # nothing written into the repo's figures/
+    ss = r["single_stream"]  # one stream's decode speed and its step split (bench/step_profile.py)
+    assert ss["decode_tokens_per_s"] > 0 and set(ss["step_ms"]) == {"linears", "attention", "other", "host"}
+    assert eng["steps"]["host_overhead_ms"]["postprocess_mean"] >= 0
     out = capsys.readouterr().out
     assert "nanoengine" in out and "skipped: " in out and "compute bound" in out and str(files[0]) in out
+    assert "single stream" in out and "decode tok/s" in out and "postprocess" in out
 
 
 @pytest.mark.xdist_group("tiny")
@@ -250,3 +254,32 @@ def test_online_mode(tmp_path):
     assert eng["latency"]["e2e_s"]["p99"] >= eng["latency"]["ttft_s"]["p99"]
     assert all("skipped" in p for p in r["peers"])
     assert (tmp_path / "bench_smoke_online.png").exists() and "online-r50" in Path(r["json_path"]).name
+
+
+def test_single_stream_and_uniform_workloads():
+    one, many = make_workload("single-stream"), make_workload("uniform-32")
+    assert len(one) == 1 and one.prompt_lens == [256] and one.output_lens == [256]
+    assert len(many) == 32 and set(many.prompt_lens) == {256} and set(many.output_lens) == {256}
+
+
+@pytest.mark.xdist_group("tiny")
+def test_single_stream_times_every_linear_and_attention_call_once_per_step():
+    """The step profile's timers see each projection, the LM head and each attention layer once per decode
+    step (counted from the model's modules), the parts add up to the profiled step, and the hooks go away."""
+    from nanoengine import LLM, SamplingParams
+    from nanoengine.attention import TorchAttention
+    from nanoengine.bench.step_profile import module_timers, single_stream
+    from nanoengine.layers.linear import PackableLinear
+
+    llm = LLM("tiny-qwen3", num_kvcache_blocks=64)
+    model = llm.engine.runner.model
+    timed = [m for m in model.modules() if isinstance(m, (PackableLinear, TorchAttention))]
+    r = single_stream(llm, prompt_len=20, output_len=6)
+    assert r["prompt_tokens"] == 20 and r["profiled_steps"] == 5 and r["decode_tokens_per_s"] > 0
+    assert sum(r["step_ms"].values()) == pytest.approx(r["profiled_step_ms"])
+    assert sum(r["step_fraction"].values()) == pytest.approx(1.0)
+    assert all(v >= 0 for v in r["step_ms"].values()) and r["step_ms"]["linears"] > 0
+    with module_timers(model) as totals:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert totals["calls"] == 3 * len(timed)  # one prefill step and two decode steps
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in timed)

@@ -11,7 +11,8 @@ Throughput: output tokens / wall seconds, and total tokens (prompt + output) / w
 
 From the engine's per-step `StepStats`: batch size (sequences in a step) peak and mean over steps, KV-cache
 use (used blocks / all blocks) peak and mean, prefix-cache hit rate (hit tokens / prompt tokens),
-preemptions, and the host time per decode step spent outside the model: scheduler + input preparation.
+preemptions, and the host time per decode step spent outside the model: scheduler + input preparation, and
+postprocess (appending tokens, stop rules, detokenization).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def step_summary(stats: Sequence[StepStats], prompt_tokens: int, big_batch: int 
     big = [s for s in decode if s.num_seqs >= big_batch]
     chosen = big or decode
     overhead_ms = [1e3 * (s.schedule_s + s.prepare_s) for s in chosen]
+    post_ms = [1e3 * s.postprocess_s for s in chosen]
     return {
         "num_steps": len(stats),
         "batch_size": {"peak": max(batch), "mean": sum(batch) / len(batch)},
@@ -103,6 +105,8 @@ def step_summary(stats: Sequence[StepStats], prompt_tokens: int, big_batch: int 
             "mean_batch": sum(s.num_seqs for s in chosen) / len(chosen) if chosen else None,
             "mean": sum(overhead_ms) / len(overhead_ms) if overhead_ms else None,
             "p50": percentile(overhead_ms, 50),
+            "postprocess_mean": sum(post_ms) / len(post_ms) if post_ms else None,
+            "postprocess_p50": percentile(post_ms, 50),
         },
         "time_s": {k: sum(getattr(s, k) for s in stats)
                    for k in ("schedule_s", "prepare_s", "forward_s", "postprocess_s")},

@@ -94,6 +94,16 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"scheduler + input preparation: {oh['mean']:.3f} ms/step mean, {oh['p50']:.3f} ms p50 over "
                      f"{oh['num_steps']} {oh['overhead_steps']} (mean batch {oh['mean_batch']:.0f}; target < 1 ms "
                      f"at batch 256)")
+    if oh.get("postprocess_mean") is not None:
+        lines.append(f"postprocess (append, stop rules, detokenize): {oh['postprocess_mean']:.3f} ms/step mean over "
+                     f"the same steps (target <= 2 ms at batch 256)")
+    ss = result.get("single_stream")
+    if ss:
+        ms, frac = ss["step_ms"], ss["step_fraction"]
+        parts = ", ".join(f"{k} {ms[k]:.1f} ms ({100 * frac[k]:.0f}%)" for k in ("linears", "attention", "other", "host"))
+        rate = ss["decode_tokens_per_s"]
+        lines.append(f"single stream ({ss['prompt_tokens']} prompt tokens): {rate:.1f} decode tok/s (TPOT "
+                     f"{ss['tpot_ms']:.1f} ms); a profiled decode step {ss['profiled_step_ms']:.1f} ms: {parts}")
     bs, kv, pc = steps["batch_size"], steps["kv_use"], steps["prefix_cache"]
     lines.append(f"batch size: peak {bs['peak']}, mean {bs['mean']:.1f} over {steps['num_steps']} steps; "
                  f"KV cache use: peak {100 * kv['peak']:.1f}%, mean {100 * kv['mean']:.1f}% of "

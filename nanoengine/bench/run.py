@@ -31,6 +31,7 @@ from nanoengine.bench.peers import parse_peers, run_peers
 from nanoengine.bench.plots import save_plot
 from nanoengine.bench.report import report, write_json
 from nanoengine.bench.roofline import ModelShape, roofline, shape_dict, workload_cost
+from nanoengine.bench.step_profile import single_stream
 from nanoengine.bench.workload import Workload, make_workload, poisson_arrivals
 
 
@@ -126,12 +127,14 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
           peer_batches: list[int] | None = None, threads: int | None = None,
           engine_options: dict[str, Any] | None = None, out_dir: str | Path | None = "bench_results",
           figures_dir: str | Path | None = "figures", compare_prefix_caching: bool = False, seed: int = 0,
-          quiet: bool = False) -> dict[str, Any]:
+          quiet: bool = False, step_profile: bool = True) -> dict[str, Any]:
     """Run the benchmark and return its result (also written to out_dir / figures_dir unless they are None).
 
     workload: a name from WORKLOADS or a Workload; num_requests takes its first N requests. peers: any of
     "hf", "vllm", "nano-vllm" (default all; vLLM and nano-vllm are recorded as skipped without a GPU).
     peer_batches: transformers static batch sizes (default 8, 32 on CPU; 64, 256 on CUDA).
+    step_profile: after the workload, one stream's decode tokens/s and the split of its decode step into
+    linears, attention, other and host (`bench/step_profile.py`; CPU only, a few seconds).
     """
     if num_requests is not None and (not isinstance(num_requests, int) or num_requests < 1):
         raise ValueError(f"--num-requests must be an integer >= 1, got {num_requests!r}")
@@ -182,6 +185,8 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
     result["roofline"] = roofline(cost, c["gemm_gflops"], c["memory_gbs"], eng["seconds"])
     if online:
         result["roofline"]["note"] = "online: the measured time includes waiting for arrivals"
+    if step_profile and device == "cpu":
+        result["single_stream"] = single_stream(llm, seed=seed)
     model_path = llm.engine.model_path
     del llm
     gc.collect()

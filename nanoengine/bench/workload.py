@@ -6,6 +6,8 @@
 - `shared-prefix`: one long seeded system prompt shared by every request plus a short unique suffix; shows
   the prefix cache (chapter 04).
 - `smoke`: a handful of tiny requests for tests.
+- `single-stream`: one request, 256 prompt tokens and 256 generated (one learner chatting);
+  `uniform-32`: 32 such requests at once.
 
 `--num-requests N` takes the first N requests of the workload's seeded draw (drawn with max(N, default)
 requests, so request i is the same whatever N is). `poisson_arrivals` gives seeded arrival times for the
@@ -113,6 +115,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "shared-prefix": dict(kind="shared-prefix", num_requests=64, prefix_len=1024, suffix_len=(32, 128),
                           output_len=(32, 128)),
     "smoke": dict(kind="random", num_requests=4, input_len=(8, 32), output_len=(4, 16)),
+    # one learner chatting: one request of 256 prompt tokens and 256 generated (the decode speed of one stream)
+    "single-stream": dict(kind="random", num_requests=1, input_len=(256, 256), output_len=(256, 256)),
+    # 32 concurrent requests of 256 + 256 tokens each (llama.cpp's parallel decoding comparison)
+    "uniform-32": dict(kind="random", num_requests=32, input_len=(256, 256), output_len=(256, 256)),
 }
 
 
