@@ -127,21 +127,13 @@ class Scheduler:
                         and first.num_computed_tokens < first.num_prompt_tokens):
                     j += 1  # an n>1 sibling: wait for the first completion's prefill, then hit its blocks
                     continue
-                hits = 0
-                if not seq.block_table:
-                    hits = bm.match_prefix(seq)
-                    seq.num_cached_tokens = hits
-                    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # always compute the last token
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not bm.can_allocate(seq, n):
-                    bm.free(seq)  # undo the prefix hit; the blocks stay cached
-                    seq.num_computed_tokens = 0
-                    seq.num_cached_tokens = 0
+                n = self.admit(seq, budget)
+                if n is None:  # its blocks do not fit: try the next one (no head-of-line blocking)
                     j += 1
                     continue
+                hits = seq.num_cached_tokens
                 is_prefill = seq.is_prefill
-                out.blocks_allocated += bm.allocate(seq, n)
-                bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+                out.blocks_allocated += seq.block_table[hits // bm.block_size:]  # after the cached ones: new
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -151,6 +143,23 @@ class Scheduler:
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def admit(self, seq: Sequence, budget: int) -> int | None:
+        """Admit one waiting sequence (empty block table) into this step, or return None leaving nothing behind:
+        reuse its cached leading blocks, compute from there but always its last token (its logits give the
+        first output token), as many tokens as the budget allows, and put the blocks it fills into the cache
+        now, so that an identical prompt admitted later in this step shares them. Returns its new tokens."""
+        bm = self.block_manager
+        seq.num_cached_tokens = bm.match_prefix(seq)
+        seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)  # always compute the last token
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.can_allocate(seq, n):
+            bm.free(seq)  # undo the prefix hit; the blocks stay cached
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            return None
+        bm.allocate(seq, n)
+        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        return n
 
     def _preempt(self, seq: Sequence) -> list[int]:
         """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""

@@ -8,7 +8,7 @@ of the engine runs unchanged around them:
 |---|---|---|
 | ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (every norm and rotation); prompts' attention |
 | ch03 | slot mapping and attention metadata; K/V store, paged decode and prefill attention | the input builder; an attention backend |
-| ch04 | chained block hashes, prefix lookup, freeing | a BlockManager subclass |
+| ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager and a Scheduler subclass |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = {
     "ch02": "RMSNorm, RoPE and causal GQA attention in the model's forward",
     "ch03": "slot mapping and attention metadata, K/V store, paged decode and prefill attention",
-    "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager",
+    "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
@@ -39,7 +39,7 @@ PIECES = {
     "ch02": ("rms_norm", "apply_rope", "causal_gqa_attention"),
     "ch03": ("batch_slot_mapping", "attention_metadata", "store_kv", "paged_decode_attention",
              "paged_prefill_attention"),
-    "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free"),
+    "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free", "admit_prompts"),
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
 }
 MODEL_CHAPTERS = ("ch02", "ch03")  # pieces inside the model's forward: eager torch attention, no graphs
@@ -165,11 +165,13 @@ class Pieces:
         return ch04.block_manager_class(self.modules["ch04"])
 
     def scheduler_class(self, engine_class: type) -> type:
-        if "ch05" not in self.modules:
-            return engine_class
-        from nanoengine.pieces import ch05
+        from nanoengine.pieces import ch04, ch05
 
-        return ch05.scheduler_class(self.modules["ch05"])
+        if "ch04" in self.modules:  # your admission pass (4.5)
+            engine_class = ch04.scheduler_class(self.modules["ch04"], engine_class)
+        if "ch05" in self.modules:  # your whole scheduling step (5.2), which admits by itself
+            engine_class = ch05.scheduler_class(self.modules["ch05"], engine_class)
+        return engine_class
 
     def sampler(self, engine_sampler: Any, seed: int) -> Any:
         if "ch05" not in self.modules:

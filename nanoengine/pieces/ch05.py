@@ -18,11 +18,10 @@ from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.pieces.learner import check_result, piece
 
 
-def scheduler_class(module: ModuleType) -> type[Scheduler]:
+def scheduler_class(module: ModuleType, base: type[Scheduler] = Scheduler) -> type[Scheduler]:
     schedule = piece(module, "schedule", "ch05")
-    piece(module, "preempt_until_fits", "ch05")  # your schedule calls it: not a stub either
 
-    class LearnerScheduler(Scheduler):
+    class LearnerScheduler(base):
         def schedule(self) -> SchedulerOutput:
             out = schedule(self)
             check_result(isinstance(out, SchedulerOutput), schedule,
