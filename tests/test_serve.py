@@ -243,18 +243,24 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(server):
 
 
 def test_trace_endpoint_feeds_the_widgets(server):
-    from nanoengine.serve.trace_json import fetch_trace
+    from nanoengine.serve.trace_json import fetch_trace, update_trace
     from nanoengine.viz.state import batch_composition_state
 
-    before = len(fetch_trace(server.url).steps)
-    server.client.completions.create(model=MODEL, prompt=["one two three", "four five"], max_tokens=5,
-                                     temperature=0)
+    trace = fetch_trace(server.url)
+    before = len(trace.steps)
+    r = server.client.completions.create(model=MODEL, prompt=["one two three", "four five"], max_tokens=5,
+                                         temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 10
     tail = fetch_trace(server.url, since=before)
     assert tail.block_size == 16 and tail.num_blocks == 512 and len(tail.steps) >= 5
     assert max(len(s.scheduled) for s in tail.steps) == 2  # the two prompts ran in one batch
     assert all(isinstance(k, int) for s in tail.steps for k in s.block_tables)
     st = batch_composition_state(tail)
     assert st.num_steps == len(tail.steps) and sum(st.totals) == sum(s.num_batched_tokens for s in tail.steps)
+    update_trace(trace, server.url)  # only the new steps are fetched and appended, in order
+    assert [s.step for s in trace.steps] == list(range(len(trace.steps)))
+    assert [s.stats for s in trace.steps[before:]] == [s.stats for s in tail.steps][:len(trace.steps) - before]
+    assert set(trace.prompts) >= set(tail.prompts)
 
 
 def test_bench_online_against_the_server(server, tmp_path):
@@ -313,3 +319,14 @@ def test_server_in_a_thread_of_this_process():
     assert server._thread is None and server.sock.fileno() == -1  # stopped, and the port let go
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5)
+
+
+def test_bench_url_refuses_what_it_would_ignore(capsys):
+    from nanoengine import cli
+
+    assert cli.main(["bench", "--url", "http://127.0.0.1:9"]) == 2  # --url needs --online
+    assert "--online" in capsys.readouterr().err
+    assert cli.main(["bench", "--online", "--url", "http://127.0.0.1:9", "--threads", "2"]) == 2
+    assert "--threads" in capsys.readouterr().err
+    assert cli.main(["bench", "--online", "--url", "127.0.0.1:9"]) == 2
+    assert "http" in capsys.readouterr().err

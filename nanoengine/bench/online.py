@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nanoengine.bench.metrics import request_latencies, throughput
@@ -79,13 +80,15 @@ async def _one(client: Any, model: str, prompt: list[int], max_tokens: int, temp
     return m
 
 
-async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float) -> dict[str, Any]:
+async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float, want: str | None) -> dict[str, Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         models = (await client.get("/v1/models")).json()["data"]
         model = models[0]["id"]
+        if want is not None and Path(want).name != Path(model).name:
+            raise ValueError(f"--model {want} but the server at {url} serves {model!r}; leave --model out with --url")
         before = server_counters((await client.get("/metrics")).text)
         start = time.perf_counter()
         metrics = await asyncio.gather(*(_one(client, model, p, n, wl.temperature, start, at)
@@ -97,13 +100,15 @@ async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float) 
 
 
 def run_served(url: str, workload: str | Workload = "cpu-small", num_requests: int | None = None,
-               request_rate: float = float("inf"), seed: int = 0, timeout: float = 3600.0) -> dict[str, Any]:
+               request_rate: float = float("inf"), seed: int = 0, timeout: float = 3600.0,
+               model: str | None = None) -> dict[str, Any]:
     """Drive the server at `url` with the workload's requests at Poisson arrivals; the result dict has the
-    in-process bench's keys for throughput and latency (`output_tokens_per_s`, `latency`, ...)."""
+    in-process bench's keys for throughput and latency (`output_tokens_per_s`, `latency`, ...). `model`: the
+    model the server must be serving (an error before any request if it serves another)."""
     url = base_url(url)
     wl = workload if isinstance(workload, Workload) else make_workload(workload, num_requests, seed=seed)
     arrivals = poisson_arrivals(len(wl), request_rate, seed)
-    got = asyncio.run(_drive(url, wl, arrivals, timeout))
+    got = asyncio.run(_drive(url, wl, arrivals, timeout, model))
     n_out = sum(m.num_output_tokens for m in got["metrics"])
     if n_out != wl.num_output_tokens:
         raise RuntimeError(f"ignore_eos: expected {wl.num_output_tokens} output tokens, the server made {n_out}")
@@ -140,14 +145,22 @@ def report_served(r: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     """`nanoengine bench --online --url URL [--request-rate R] [--workload W] [--num-requests N]`."""
+    in_process_only = {"--engine-options": args.engine_options, "--threads": args.threads,
+                       "--peer-batches": args.peer_batches,
+                       "--compare-prefix-caching": args.compare_prefix_caching or None}
+    given = [flag for flag, value in in_process_only.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} configure the in-process engine; with --url the server runs with the "
+                         "options it was started with (nanoengine serve --help)")
     if args.request_rate is not None and not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 requests/s (or inf), got {args.request_rate}")
     rate = float("inf") if args.request_rate is None else args.request_rate
-    r = run_served(args.url, args.workload, args.num_requests, rate, args.seed)
+    from nanoengine.assets import DEFAULT_MODEL
+
+    r = run_served(args.url, args.workload, args.num_requests, rate, args.seed,
+                   model=None if args.model == DEFAULT_MODEL else args.model)
     print(report_served(r))
     if args.out_dir:
-        from pathlib import Path
-
         from nanoengine.bench.report import _clean
 
         out = Path(args.out_dir)

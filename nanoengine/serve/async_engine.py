@@ -275,7 +275,7 @@ class AsyncEngine:
             req.metrics.arrival_time = arrival  # when the HTTP request came in, not when this thread saw it
             eng.add(req)
             self._live[req.request_id] = _Live(req, stream, i)
-            self.metrics.on_admitted(len(req.prompt_token_ids))
+            self.metrics.on_admitted(len(req.prompt_token_ids) * params.n)  # per sequence, as hits count
         self._resolve(stream.accepted, stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:

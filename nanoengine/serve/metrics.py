@@ -30,7 +30,8 @@ class ServerMetrics:
         self.kv_used_blocks = Gauge("nanoengine_kv_cache_used_blocks", "KV blocks held by live sequences", **m)
         self.kv_blocks = Gauge("nanoengine_kv_cache_blocks", "KV blocks in the pool", **m)
         self.kv_usage = Gauge("nanoengine_kv_cache_usage_perc", "share of the KV pool in use (0..1)", **m)
-        self.prompt_tokens = Counter("nanoengine_prompt_tokens", "prompt tokens of admitted requests", **m)
+        self.prompt_tokens = Counter("nanoengine_prompt_tokens", "prompt tokens of admitted sequences (n per "
+                                     "request)", **m)
         self.generation_tokens = Counter("nanoengine_generation_tokens", "tokens generated", **m)
         self.prefix_hit_tokens = Counter("nanoengine_prefix_cache_hit_tokens", "prompt tokens served by the "
                                          "prefix cache", **m)
