@@ -253,7 +253,7 @@ def _move_sliders(page, path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_chapter_runs_in_browser(path, lab, browser):
+def test_chapter_runs_in_browser(path, browser, lab):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for old in ARTIFACTS.glob(f"{path.stem}*"):
         old.unlink()
@@ -274,7 +274,8 @@ def test_chapter_runs_in_browser(path, lab, browser):
         assert not not_run, f"{path.name}: cells {not_run} did not run"
 
         expected = sum(c["widgets"] for c in cells)
-        _wait(page, f"n => document.querySelectorAll('.jp-Notebook {TOP_WIDGET}').length >= n && "
+        _wait(page, f"n => document.querySelector('.jp-Notebook').innerText.includes('Error displaying widget') || "
+                    f"document.querySelectorAll('.jp-Notebook {TOP_WIDGET}').length >= n && "
                     "!document.querySelector('.jp-Notebook').innerText.includes('Loading widget')",
               WIDGET_UPDATE_S, f"{path.name}: its widgets did not render", arg=expected)
         text = page.locator(".jp-Notebook").inner_text()
