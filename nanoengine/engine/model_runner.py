@@ -79,14 +79,16 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, rank: int = 0) -> None:
         self.config = config
         hf = config.hf_config
+        # the learner's pieces (use_exercises, nanoengine.pieces) replace the engine's through the same seams
+        self.pieces = Pieces.for_config(config)
         self.tp = TPGroup(rank, config.tensor_parallel_size)
+        if self.pieces is not None:
+            self.tp = self.pieces.tp_group(self.tp)
         self.device = torch.device(config.device, rank) if config.device == "cuda" else torch.device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        # the learner's pieces (use_exercises, nanoengine.pieces) replace the engine's through the same seams
-        self.pieces = Pieces.for_config(config)
         self.attn_backend = get_backend(config.attention_backend)
         if self.pieces is not None:
             self.attn_backend = self.pieces.attention_backend(self.attn_backend)

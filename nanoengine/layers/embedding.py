@@ -10,7 +10,6 @@ With N ranks, rank r holds vocabulary rows [r * V/N, (r + 1) * V/N) of both tabl
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.group import SINGLE, TPGroup
@@ -24,8 +23,7 @@ def vocab_rows_loader(tp: TPGroup):
         if full != (param.shape[0] * tp.size, param.shape[1]):
             raise ValueError(f"shape mismatch: parameter {(param.shape[0] * tp.size, param.shape[1])} vs "
                              f"checkpoint {full}")
-        first, size = tp.shard(full[0])
-        param.data.copy_(loaded[first:first + size])
+        param.data.copy_(tp.rows(loaded, full[0]))
     return load
 
 
@@ -33,16 +31,12 @@ class Embedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.vocab_start = tp.shard(vocab_size)[0]
         self.weight.weight_loader = vocab_rows_loader(tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, dim]
         if self.tp.size == 1:
             return super().forward(ids)
-        local = ids - self.vocab_start  # [num_tokens]: row in this rank's slice
-        here = (local >= 0) & (local < self.num_embeddings)
-        x = F.embedding(local.masked_fill(~here, 0), self.weight)  # [num_tokens, dim]
-        return self.tp.all_reduce(x.masked_fill(~here[:, None], 0))
+        return self.tp.all_reduce(self.tp.vocab_partial(ids, self.weight))  # [num_tokens, dim]
 
 
 class LMHead(PackableLinear):

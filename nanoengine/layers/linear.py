@@ -130,8 +130,7 @@ class MergedLinear(PackableLinear):
         if full[0] != self.part_sizes[shard_id] or full[1:] != tuple(param.shape[1:]):
             raise ValueError(f"part {shard_id!r}: expected {(self.part_sizes[shard_id], *param.shape[1:])}, "
                              f"checkpoint has {full}")
-        first, _ = self.tp.shard(full[0])
-        param.data.narrow(0, start, size).copy_(loaded[first:first + size])
+        param.data.narrow(0, start, size).copy_(self.tp.rows(loaded, full[0]))
 
 
 class RowParallelLinear(PackableLinear):
@@ -150,8 +149,7 @@ class RowParallelLinear(PackableLinear):
         if full != (param.shape[0], param.shape[1] * self.tp.size):
             raise ValueError(f"shape mismatch: parameter {(param.shape[0], param.shape[1] * self.tp.size)} vs "
                              f"checkpoint {full}")
-        first, size = self.tp.shard(full[1])
-        param.data.copy_(loaded[:, first:first + size])
+        param.data.copy_(self.tp.columns(loaded, full[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / N] -> [num_tokens, out]
         # the bias joins one rank's partial sum only, so the all-reduce adds it once

@@ -10,6 +10,7 @@ of the engine runs unchanged around them:
 | ch03 | slot mapping and attention metadata; K/V store, paged decode and prefill attention | the input builder; an attention backend |
 | ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager and a Scheduler subclass |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
+| ch07 | a rank's rows of a weight, its vocabulary shard's lookup | the TPGroup every sharded layer asks |
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
 engine's code. In a notebook, `nanoengine.pieces.use_exercises("ch02")` makes every `LLM` built afterwards
@@ -33,6 +34,7 @@ CHAPTERS = {
     "ch03": "slot mapping and attention metadata, K/V store, paged decode and prefill attention",
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
+    "ch07": "a rank's shard of each weight, and its part of the vocab-parallel embedding",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
 PIECES = {
@@ -41,6 +43,7 @@ PIECES = {
              "paged_prefill_attention"),
     "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free", "admit_prompts"),
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
+    "ch07": ("shard_merged_rows", "vocab_parallel_embedding"),
 }
 MODEL_CHAPTERS = ("ch02", "ch03")  # pieces inside the model's forward: eager torch attention, no graphs
 
@@ -172,6 +175,13 @@ class Pieces:
         if "ch05" in self.modules:  # your whole scheduling step (5.2), which admits by itself
             engine_class = ch05.scheduler_class(self.modules["ch05"], engine_class)
         return engine_class
+
+    def tp_group(self, group: Any) -> Any:
+        if "ch07" not in self.modules:
+            return group
+        from nanoengine.pieces import ch07
+
+        return ch07.tp_group(self.modules["ch07"], group)
 
     def sampler(self, engine_sampler: Any, seed: int) -> Any:
         if "ch05" not in self.modules:

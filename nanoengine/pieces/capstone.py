@@ -1,11 +1,13 @@
 """The capstone of a chapter: the engine on your pieces gives the same greedy text, and the same schedule, as
-the engine on its own. Chapters 02-05 (`nanoengine.check("chNN")` runs it once every exercise passes).
+the engine on its own. Chapters 02-05 and 07 (`nanoengine.check("chNN")` runs it once every exercise passes).
 
 One fixed workload per model (fp32, tiny-qwen3 and smollm2-135m): prompts that share a long prefix (prefix-
 cache hits), a token budget small enough to chunk the prefills, and a KV pool small enough to preempt. Both
 runs are greedy, so every token must match; the per-step schedule (batch size, prefill and decode tokens,
 blocks in use, prefix hits, preemptions) must match too, which catches a piece that is wrong without changing
-the text (a prefix lookup that never hits, a scheduler that never chunks).
+the text (a prefix lookup that never hits, a scheduler that never chunks). Chapter 07 runs your sharding in
+two processes (tensor_parallel_size=2, over gloo) against the engine in one, on tiny-qwen3 only (SmolLM2's
+9 heads do not split in two).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Why is the sky b
            "def fibonacci(n):", PREFIX + "Name a prime number larger than ten."]
 WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8, block_size=16)
 MAX_TOKENS = 16
+CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2)}
+CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
 _reference: dict[str, tuple[list[list[int]], list[tuple]]] = {}  # model -> the engine's own run
 
 
@@ -40,9 +44,9 @@ def run_workload(model: str, **options) -> tuple[list[list[int]], list[tuple], o
     """(token ids per prompt, the per-step schedule, the LLM) of the fixed workload."""
     from nanoengine import LLM, SamplingParams
 
-    llm = LLM(model, **WORKLOAD, **options)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    with LLM(model, **WORKLOAD, **options) as llm:  # closing stops tensor-parallel workers
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
     steps = [(s.num_seqs, s.prefill_tokens, s.decode_tokens, s.used_blocks, s.cache_hit_tokens, s.num_preempted)
              for s in llm.engine.stats]
     return [list(o.outputs[0].token_ids) for o in outs], steps, llm
@@ -56,7 +60,8 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
         ids, steps, _ = run_workload(model, use_exercises=())
         _reference[model] = (ids, steps)
     want_ids, want_steps = _reference[model]
-    got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir))
+    got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir),
+                                           **CHAPTER_OPTIONS.get(chapter, {}))
     tok = llm.get_tokenizer()
     for p, (got, want) in enumerate(zip(got_ids, want_ids)):
         if got != want:
@@ -75,8 +80,9 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
                   f"({hits} prefix-hit tokens, {preempted} preemptions)")
 
 
-def capstone(chapter: str, exercises_dir: Path, models: tuple[str, ...] = MODELS) -> CapstoneResult:
+def capstone(chapter: str, exercises_dir: Path, models: tuple[str, ...] | None = None) -> CapstoneResult:
     """Run the chapter's capstone: the fixed workload on your pieces vs on the engine's own, per model."""
+    models = models or CHAPTER_MODELS.get(chapter, MODELS)
     if chapter not in CHAPTERS:
         raise ValueError(f"{chapter} plugs no pieces into the engine; chapters with pieces: {', '.join(CHAPTERS)}")
     result = CapstoneResult(chapter)
