@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.xdist_group("serve")
+# every test but the last needs a server subprocess (~5 s to start here, ~20 s on a busy machine)
+pytestmark = [pytest.mark.xdist_group("serve"), pytest.mark.slow]
 
 MODEL = "tiny-qwen3"
 ENGINE = ["--dtype", "float32", "--num-kvcache-blocks", "512", "--max-model-len", "1024"]
@@ -88,7 +89,6 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
-@pytest.mark.slow
 def test_completion_and_chat_match_offline_llm(server, offline):
     from nanoengine import SamplingParams
 
@@ -280,7 +280,6 @@ def test_bench_online_against_the_server(server, tmp_path):
     assert list(tmp_path.glob("served_*smoke_r20.json"))
 
 
-@pytest.mark.slow
 def test_sigterm_with_a_request_in_flight_exits_within_5_s():
     s = Server()
     try:
@@ -305,7 +304,6 @@ def test_sigterm_with_a_request_in_flight_exits_within_5_s():
         s.stop()
 
 
-@pytest.mark.slow
 def test_server_in_a_thread_of_this_process():
     """The book's way: the same Server from a background thread, stopped by leaving the with block."""
     from nanoengine.serve.app import Server
