@@ -13,6 +13,7 @@ server's log), and their checkpoints go to the server's temporary folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -216,7 +217,7 @@ def _wait(page, fn: str, limit_s: float, what: str, arg=None) -> None:
 
 
 def _run_all(page, path: Path) -> float:
-    """Open the chapter, wait for its kernel, Run > Run All Cells, wait until done; the seconds it ran."""
+    """Run > Run All Cells from the menu bar, then wait until it is done; the seconds it ran."""
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     t0 = time.perf_counter()
@@ -297,7 +298,8 @@ def test_chapter_runs_in_browser(path, browser, lab):
         except Exception as e:  # the screenshot is a help, not the test
             summary["screenshot_error"] = str(e)[:200]
         try:
-            lab.shutdown_kernels(path.name)
+            with contextlib.suppress(OSError):  # the server stops its kernels anyway when the module ends
+                lab.shutdown_kernels(path.name)
         finally:
             page.close()
             (ARTIFACTS / f"{path.stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
