@@ -203,6 +203,10 @@ class EngineConfig:
             raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA the "
                              "engine captures real graphs (leave graph_stand_in=False; enforce_eager=True turns "
                              "them off)")
+        if "ch06" in self.use_exercises and (self.device != "cpu" or self.enforce_eager):
+            raise InvalidValueError("EngineConfig: use_exercises with 'ch06' runs decode steps through your stand-in "
+                                    "graphs, which run on device='cpu' only and not with enforce_eager=True; drop "
+                                    "'ch06' or use device='cpu' without enforce_eager")
         if self.graph_stand_in and self.enforce_eager:
             raise InvalidValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
                              "enforce_eager=True forbids graphs; pick one")
@@ -224,7 +228,7 @@ class EngineConfig:
     def decode_graphs(self) -> str | None:
         """How decode steps run after resolve(): 'cuda' (captured CUDA graphs), 'stand_in' (their CPU
         stand-in) or None (eagerly)."""
-        if self.graph_stand_in:
+        if self.graph_stand_in or "ch06" in self.use_exercises:  # the learner's graphs are stand-ins
             return "stand_in"
         # the learner's pieces inside the model run eagerly (their Python may read tensors on the host)
         graphs = (self.device == "cuda" and not self.enforce_eager and self.attention_backend != "torch"

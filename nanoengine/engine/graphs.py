@@ -44,6 +44,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+def replayable(inp: ModelInput, bucket: int | None, max_blocks: int) -> bool:
+    """Can a graph replay this step: decode only, a bucket for its batch, block tables that fit the buffer?"""
+    return inp.is_decode_only and bucket is not None and inp.attn.decode_block_tables.shape[1] <= max_blocks
+
+
 class CUDAGraph:
     """A CUDA graph of `fn`: capture warms `fn` up once on a side stream (lazy initialization and
     torch.compile happen outside the graph), then records its kernels into the shared pool."""
@@ -142,9 +147,7 @@ class DecodeGraphs:
 
     def can_replay(self, inp: ModelInput) -> bool:
         """A decode-only step whose batch has a bucket and whose block tables fit the static buffer."""
-        if not inp.is_decode_only or self.bucket_for(inp.num_tokens) is None:
-            return False
-        return inp.attn.decode_block_tables.shape[1] <= self.max_blocks
+        return replayable(inp, self.bucket_for(inp.num_tokens), self.max_blocks)
 
     def load(self, inp: ModelInput) -> int:
         """Copy a decode step into the static buffers, padded up to its bucket; return the bucket."""

@@ -240,9 +240,16 @@ class ModelRunner:
 
     def make_graphs(self) -> DecodeGraphs:
         cfg = self.config
-        return DecodeGraphs(self.eager_forward, cfg.decode_graphs, cfg.max_num_seqs,
-                            -(-cfg.max_model_len // self.block_size), cfg.hf_config.hidden_size, self.block_size,
-                            self.dtype, self.device)
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        if self.pieces is not None:  # the learner's stand-in graphs (chapter 06), when use_exercises says so
+            return self.pieces.graphs(lambda: self.engine_graphs(max_blocks), self.eager_forward, cfg.max_num_seqs,
+                                      max_blocks, cfg.hf_config.hidden_size, self.block_size, self.dtype)
+        return self.engine_graphs(max_blocks)
+
+    def engine_graphs(self, max_blocks: int) -> DecodeGraphs:
+        cfg = self.config
+        return DecodeGraphs(self.eager_forward, cfg.decode_graphs, cfg.max_num_seqs, max_blocks,
+                            cfg.hf_config.hidden_size, self.block_size, self.dtype, self.device)
 
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()

@@ -10,6 +10,7 @@ of the engine runs unchanged around them:
 | ch03 | slot mapping and attention metadata; K/V store, paged decode and prefill attention | the input builder; an attention backend |
 | ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager and a Scheduler subclass |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
+| ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the model runner's decode graphs |
 | ch07 | a rank's rows of a weight, its vocabulary shard's lookup | the TPGroup every sharded layer asks |
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
@@ -21,6 +22,7 @@ the engine's greedy text on your pieces must equal its text on its own (`pieces/
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +36,7 @@ CHAPTERS = {
     "ch03": "slot mapping and attention metadata, K/V store, paged decode and prefill attention",
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
+    "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
     "ch07": "a rank's shard of each weight, and its part of the vocab-parallel embedding",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
@@ -43,6 +46,8 @@ PIECES = {
              "paged_prefill_attention"),
     "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free", "admit_prompts"),
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
+    "ch06": ("graph_buckets", "pick_bucket", "load_static", "StandInGraphs.__init__", "StandInGraphs.capture",
+             "StandInGraphs.replay"),
     "ch07": ("shard_merged_rows", "vocab_parallel_embedding"),
 }
 MODEL_CHAPTERS = ("ch02", "ch03")  # pieces inside the model's forward: eager torch attention, no graphs
@@ -175,6 +180,15 @@ class Pieces:
         if "ch05" in self.modules:  # your whole scheduling step (5.2), which admits by itself
             engine_class = ch05.scheduler_class(self.modules["ch05"], engine_class)
         return engine_class
+
+    def graphs(self, engine_graphs: Callable[[], Any], *args: Any) -> Any:
+        """The decode graphs: yours (ch06) built with the runner's (forward, max_num_seqs, max_blocks,
+        hidden_size, block_size, dtype), else the engine's `engine_graphs()`."""
+        if "ch06" not in self.modules:
+            return engine_graphs()
+        from nanoengine.pieces import ch06
+
+        return ch06.LearnerGraphs(self.modules["ch06"], *args)
 
     def tp_group(self, group: Any) -> Any:
         if "ch07" not in self.modules:
