@@ -413,7 +413,9 @@ void gemv_block(const float* x, int64_t M, const c10::BFloat16* w, const float* 
   if (rows == kRows) {
     const int64_t K8 = K - K % 8;
     if (M >= 4) {  // widen the block once; each 3-row tile of x then reads floats from L1
-      for (int64_t i = 0; i < kRows * K; ++i) wide[i] = to_float(w[i]);
+      int64_t i = 0;
+      for (; i + 8 <= kRows * K; i += 8) _mm256_storeu_ps(wide + i, load_bf16x8(w + i));
+      for (; i < kRows * K; ++i) wide[i] = to_float(w[i]);
       for (; m + 3 <= M; m += 3) tile_out<3>(x, m, wide, w, K, K8, bias, n0, N, out);
     } else {  // one or two rows: widen as we go (3 rows of x x 4 weight rows = 12 sums in registers)
       for (; m + 3 <= M; m += 3) tile_out<3>(x, m, w, w, K, K8, bias, n0, N, out);
