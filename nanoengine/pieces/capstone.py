@@ -66,8 +66,9 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
     for p, (got, want) in enumerate(zip(got_ids, want_ids)):
         if got != want:
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            return False, (f"prompt {p}: token {i} differs: yours {tok.decode(got[: i + 1])!r} vs the engine's "
-                           f"{tok.decode(want[: i + 1])!r}")
+            return False, (f"prompt {p} ({PROMPTS[p][-24:]!r}): generated token {i} differs: yours "
+                           f"{tok.decode(got[i:i + 1])!r}, the engine's {tok.decode(want[i:i + 1])!r}, after "
+                           f"{tok.decode(want[:i])!r}")
     for s, (got, want) in enumerate(zip(got_steps, want_steps)):
         if got != want:
             what = [f"{name} {a} vs {b}" for name, a, b in zip(STEP_FIELDS, got, want) if a != b]
