@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,17 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from book_run import CHROMIUM, NOTEBOOK_LIMIT_S, browser_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 NOTEBOOKS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 TOKEN = "nanoengine-browser-test"
 SERVER_START_S = 120
-RUN_ALL_LIMIT_S = 600  # a chapter takes up to ~2 minutes alone; far longer only if something hangs
+RUN_ALL_LIMIT_S = 600  # how long to wait for Run All (a chapter must finish within NOTEBOOK_LIMIT_S)
 WIDGET_UPDATE_S = 60  # a slider's redraw goes through the kernel (a matplotlib figure in chapter 02)
 # JupyterLab settings for the test's fresh settings folder: every cell in the DOM (no windowing), no autosave
 # (the book is stored without outputs), no news or update checks (no network here)
@@ -50,8 +49,8 @@ LAB_SETTINGS = {
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 
-def _missing(what: str, how: str) -> None:
-    message = f"the browser test needs {what}: {how}"
+def _missing(what: str) -> None:
+    message = f"the browser test needs {what}"
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
@@ -134,14 +133,11 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing("the playwright package", "PIP_CONSTRAINT=constraints.txt .venv/bin/pip install playwright "
-                                           "(it is in the dev extra: make setup)")
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        _missing(f"Chromium at {CHROMIUM}", "apt-get install chromium (Debian/Ubuntu), or set CHROMIUM to a "
-                                            "Chromium binary")
+    problem = browser_problem()
+    if problem:
+        _missing(problem)
+    from playwright.sync_api import sync_playwright
+
     pw = sync_playwright().start()
     try:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -267,6 +263,8 @@ def test_chapter_runs_in_browser(path, browser, lab):
         _wait(page, KERNEL_IDLE, SERVER_START_S, f"{path.name}: the kernel did not start")
         summary["open_s"] = round(time.perf_counter() - t0, 1)
         summary["run_all_s"] = round(_run_all(page, path), 1)
+        assert summary["run_all_s"] < NOTEBOOK_LIMIT_S, (
+            f"{path.name}: Run All took {summary['run_all_s']:.0f} s; a chapter must run within {NOTEBOOK_LIMIT_S} s")
 
         cells = page.evaluate(CELL_REPORT)
         errors = [f"cell {c['index']}: {e}" for c in cells for e in c["errors"]]
