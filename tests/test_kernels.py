@@ -167,6 +167,15 @@ def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(ker
     for rows in (1, 4, 5, 40):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), plain(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    # in bf16 (a CPU without oneDNN bf16): small batches through the kernel, large ones in float32 rounded once
+    layer = layer.to(torch.bfloat16)
+    use_bf16_weights(layer, kernels, 4)
+    assert layer.bf16_weight.data_ptr() == layer.weight.data_ptr()  # already bf16: no copy
+    for rows in (3, 40):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        got, want = layer(x), plain(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=1 / 128, atol=1e-2)
 
 
 @pytest.mark.slow

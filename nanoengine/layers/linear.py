@@ -21,7 +21,8 @@ Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoint
 that the C++ kernel `bf16_linear` multiplies batches of up to `max_rows` rows with: a decode step streams
 every weight once, so half the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the
 float32 weight is a widened bf16), and the sums are float32, so the output is the float32 linear's up to
-the order of the sums. Larger batches (prefill) keep the ordinary float32 matmul.
+the order of the sums. Larger batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a
+CPU) they run in float32 and round once, as a bf16 matmul rounds (its own bf16 path ran at ~1 GFLOP/s here).
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ class PackableLinear(nn.Linear):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16_weight is not None and x.dim() == 2 and x.shape[0] <= self.bf16_max_rows:
-            return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias)  # [rows, out]
+        if self.bf16_weight is not None and x.dim() == 2:
+            if x.shape[0] <= self.bf16_max_rows:
+                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias)  # [rows, out]
+            if x.dtype == torch.bfloat16:  # no fast bf16 matmul on this CPU: float32, rounded once as bf16's is
+                return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(x.dtype)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
