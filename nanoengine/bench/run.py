@@ -225,6 +225,7 @@ def main(args: Any) -> int:
     r = bench(args.model, args.workload, args.num_requests, online=args.online, request_rate=args.request_rate,
               peers=peers, peer_batches=args.peer_batches, threads=args.threads, engine_options=opts,
               out_dir=args.out_dir, figures_dir=args.figures_dir,
-              compare_prefix_caching=args.compare_prefix_caching, seed=args.seed, quiet=args.quiet)
+              compare_prefix_caching=args.compare_prefix_caching, seed=args.seed, quiet=args.quiet,
+              step_profile=not getattr(args, "no_step_profile", False))
     print(report(r))
     return 0
