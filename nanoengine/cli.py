@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
     b.add_argument("--workload", default="cpu-small",
                    help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
-                        "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | smoke")
+                        "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | "
+                        "single-stream (1 request, 256 + 256) | uniform-32 (32 requests, 256 + 256) | smoke")
     b.add_argument("--num-requests", type=int, default=None, help="take the first N requests of the workload")
     b.add_argument("--online", action="store_true", help="Poisson arrivals at --request-rate (latency under load)")
     b.add_argument("--request-rate", type=float, default=None,
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--peers", default="hf,vllm,nano-vllm",
                    help="comma-separated peers to run after the engine (vllm and nano-vllm need a GPU)")
     b.add_argument("--no-peers", action="store_true", help="run nanoengine only")
+    b.add_argument("--no-step-profile", action="store_true",
+                   help="skip the single-stream decode profile (tok/s and where a step's time goes) on CPU")
     b.add_argument("--peer-batches", type=int, nargs="*", default=None,
                    help="transformers static batch sizes (default 8 32 on CPU, 64 256 on CUDA)")
     b.add_argument("--compare-prefix-caching", action="store_true",

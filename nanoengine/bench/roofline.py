@@ -6,8 +6,8 @@ memory and the compute units. With the machine's measured GEMM peak P (FLOP/s) a
 
     compute-bound time = FLOPs / P        memory-bound time = bytes / B        limit = max of the two.
 
-The achieved fraction of the machine's limit is limit / measured time (1.0 = perfect). The issue's target is
-phrased against the compute bound: engine output tok/s / compute-bound output tok/s, where the compute-bound
+The achieved fraction of the machine's limit is limit / measured time (1.0 = perfect). The benchmark also
+reports the fraction of the compute bound: engine output tok/s / compute-bound output tok/s, where the compute-bound
 tok/s = output tokens / compute-bound time.
 
 FLOPs (kept simple, and stated so): every prompt token and every generated token but the last goes through

@@ -226,6 +226,6 @@ def main(args: Any) -> int:
               peers=peers, peer_batches=args.peer_batches, threads=args.threads, engine_options=opts,
               out_dir=args.out_dir, figures_dir=args.figures_dir,
               compare_prefix_caching=args.compare_prefix_caching, seed=args.seed, quiet=args.quiet,
-              step_profile=not getattr(args, "no_step_profile", False))
+              step_profile=not args.no_step_profile)
     print(report(r))
     return 0
