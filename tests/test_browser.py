@@ -46,7 +46,11 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# the chapters in two xdist groups (alternate chapters), so that the two workers share the book: each worker
+# starts its own JupyterLab and Chromium (module fixtures) for the chapters it gets
+CHAPTERS = [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"browser{i % 2}"))
+            for i, p in enumerate(NOTEBOOKS)]
 
 
 def _missing(what: str) -> None:
@@ -249,7 +253,7 @@ def _move_sliders(page, path: Path) -> list[dict]:
     return moved
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CHAPTERS)
 def test_chapter_runs_in_browser(path, browser, lab):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for old in ARTIFACTS.glob(f"{path.stem}*"):

@@ -12,6 +12,9 @@ two processes (tensor_parallel_size=2, over gloo) against the engine in one, on 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +30,39 @@ WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8
 MAX_TOKENS = 16
 CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2)}
 CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
-_reference: dict[str, tuple[list[list[int]], list[tuple]]] = {}  # model -> the engine's own run
+PACKAGE = Path(__file__).resolve().parents[1]  # nanoengine/
+
+
+def reference_file(model: str) -> Path:
+    """Where the engine's own run of the workload is kept: one file per model, engine source, torch build and
+    machine (the run is deterministic given those), so each chapter's capstone runs only the learner's side."""
+    import torch
+
+    from nanoengine import assets
+
+    h = hashlib.sha1()
+    for f in sorted(PACKAGE.rglob("*.py")) + sorted(PACKAGE.rglob("*.cpp")):
+        h.update(f.read_bytes())
+    folder = assets.resolve_model(model)
+    for f in sorted(folder.iterdir()):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(repr((PROMPTS, WORKLOAD, MAX_TOKENS, torch.__version__, platform.machine(), platform.processor(),
+                   torch.backends.cpu.get_cpu_capability())).encode())
+    return assets.home() / "capstone" / f"{Path(model).name}-{h.hexdigest()[:16]}.json"
+
+
+def reference(model: str) -> tuple[list[list[int]], list[tuple]]:
+    """The engine's own run of the workload on `model`: (token ids per prompt, per-step schedule)."""
+    path = reference_file(model)
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        return kept["token_ids"], [tuple(step) for step in kept["steps"]]
+    ids, steps, _ = run_workload(model, use_exercises=())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"token_ids": ids, "steps": steps}))
+    tmp.replace(path)
+    return ids, steps
 
 
 @dataclass
@@ -56,10 +91,7 @@ STEP_FIELDS = ("sequences", "prefill tokens", "decode tokens", "blocks in use", 
 
 
 def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
-    if model not in _reference:
-        ids, steps, _ = run_workload(model, use_exercises=())
-        _reference[model] = (ids, steps)
-    want_ids, want_steps = _reference[model]
+    want_ids, want_steps = reference(model)
     got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir),
                                            **CHAPTER_OPTIONS.get(chapter, {}))
     tok = llm.get_tokenizer()
