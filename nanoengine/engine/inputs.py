@@ -106,8 +106,13 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
-        # block tables of the decodes, and their context lengths (the new token included)
         dev = self.device
+        if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
+            meta = to_device(self.attention_metadata(decodes + prefills, bs), dev)
+            return ModelInput(torch.tensor(ids, dtype=torch.int64, device=dev),
+                              torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows, sample_seqs)
+
+        # block tables of the decodes, and their context lengths (the new token included)
         if decodes:
             dtables = torch.from_numpy(self.decode_block_tables(decodes)).to(dev)
             dctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int64, device=dev)
@@ -118,8 +123,6 @@ class InputBuilder:
             num_decode_seqs=len(decodes), decode_block_tables=dtables, decode_context_lens=dctx,
             prefill_query_starts=starts, prefill_query_lens=qlens, prefill_context_lens=ctxs,
             prefill_block_tables=tables, block_size=bs)
-        if self.attention_metadata is not None:  # the learner's (chapter 03), on this device
-            meta = to_device(self.attention_metadata(decodes + prefills, bs), dev)
         return ModelInput(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows, sample_seqs)
 

@@ -26,8 +26,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 def attention_metadata(module: ModuleType):
     """Your attention_metadata(scheduled, block_size) (with your batch_slot_mapping), checked against the
     batch's shape; the input builder uses it in place of its own."""
-    build = piece(module, "attention_metadata", "ch03")
-    piece(module, "batch_slot_mapping", "ch03")  # your attention_metadata calls it
+    build = piece(module, "attention_metadata", "ch03")  # (it calls your batch_slot_mapping)
 
     def checked(scheduled: list, block_size: int) -> AttentionMetadata:
         meta = build(scheduled, block_size)

@@ -34,8 +34,7 @@ def scheduler_class(module: ModuleType, base: type[Scheduler] = Scheduler) -> ty
 class LearnerSampler(Sampler):
     def __init__(self, module: ModuleType, seed: int = 0) -> None:
         super().__init__(seed)
-        self.sample = piece(module, "sample", "ch05")
-        piece(module, "process_logits", "ch05")  # your sample calls it
+        self.sample = piece(module, "sample", "ch05")  # (it calls your process_logits)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits [B, V] fp32 -> next token ids [B]

@@ -80,7 +80,13 @@ def not_done(module: ModuleType, name: str, fn: Callable, chapter: str) -> Exerc
 
 
 def check_done(pieces: list[tuple[ModuleType, str, str]]) -> None:
-    """Raise one ExerciseNotDoneError naming every (module, name, chapter) that is still a stub."""
+    """Raise one ExerciseNotDoneError naming every (module, name, chapter) that is still a stub (an
+    ExerciseError for one that is missing)."""
+    missing = [(m, n, c) for m, n, c in pieces if _attr(m, n) is None]
+    if missing:
+        m, n, c = missing[0]
+        raise ExerciseError(f"use_exercises: {m.__file__} has no {n!r}; {c}'s pieces need it (regenerate the file "
+                            "from solutions/ if you renamed it)")
     stubs = [(m, n, c) for m, n, c in pieces if is_stub(_attr(m, n))]
     if len(stubs) == 1:
         raise not_done(*stubs[0][:2], _attr(*stubs[0][:2]), stubs[0][2])
