@@ -123,20 +123,23 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernels):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539)])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539), (24, 8)])
 def test_bf16_linear_equals_the_float32_linear_of_its_weights(kernels, rows, out_features, in_features):
-    """bf16 weights widened to float32, float32 sums: the float32 linear of the same (bf16-valued) weights, up to
-    the order of the sums; partial blocks of rows and columns past a multiple of 8 included."""
+    """bf16 weights (packed by bf16_pack) widened to float32, float32 sums: the float32 linear of the same
+    (bf16-valued) weights, up to the order of the sums; partial blocks of weight rows, an odd number of
+    blocks, and columns past a multiple of 4 included."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
     want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    got = kernels.bf16_linear(x, weight, bias)
+    packed = kernels.bf16_pack(weight)
+    assert packed.shape == (-(-out_features // 8), in_features, 8)
+    got = kernels.bf16_linear(x, packed, bias, out_features)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     # bf16 activations: one rounding of the float32 result, as a bf16 matmul rounds its output
-    got_bf16 = kernels.bf16_linear(x.bfloat16(), weight, None)
+    got_bf16 = kernels.bf16_linear(x.bfloat16(), packed, None, out_features)
     want_bf16 = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).bfloat16()
     assert got_bf16.dtype == torch.bfloat16
     differ = (got_bf16 != want_bf16).float().mean().item()
@@ -145,10 +148,14 @@ def test_bf16_linear_equals_the_float32_linear_of_its_weights(kernels, rows, out
 
 
 def test_bf16_linear_rejects_bad_input(kernels):
-    with pytest.raises(RuntimeError, match="bf16 weight"):
-        kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 8), None)
+    packed = kernels.bf16_pack(torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match="packed by bf16_pack"):
+        kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 8).bfloat16(), None, 4)
     with pytest.raises(RuntimeError, match="same K"):
-        kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 9).bfloat16(), None)
+        kernels.bf16_linear(torch.zeros(1, 16), packed, None, 4)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.bf16_linear(torch.zeros(1, 8), packed, None, 9)
+
 
 
 def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(kernels):
@@ -170,7 +177,6 @@ def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(ker
     # in bf16 (a CPU without oneDNN bf16): small batches through the kernel, large ones in float32 rounded once
     layer = layer.to(torch.bfloat16)
     use_bf16_weights(layer, kernels, 4)
-    assert layer.bf16_weight.data_ptr() == layer.weight.data_ptr()  # already bf16: no copy
     for rows in (3, 40):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         got, want = layer(x), plain(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()

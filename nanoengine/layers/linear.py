@@ -17,12 +17,13 @@ the whole weight, so that per-call reorder is much of their time (1.3-1.8x faste
 The packed copy is an opaque oneDNN tensor beside the ordinary weight (which loading and tests still use).
 
 Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoints in float32),
-`use_bf16_weights(model, kernels, max_rows)` (chapter 06) gives every linear a bfloat16 copy of its weight
-that the C++ kernel `bf16_linear` multiplies batches of up to `max_rows` rows with: a decode step streams
-every weight once, so half the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the
-float32 weight is a widened bf16), and the sums are float32, so the output is the float32 linear's up to
-the order of the sums. Larger batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a
-CPU) they run in float32 and round once, as a bf16 matmul rounds (its own bf16 path ran at ~1 GFLOP/s here).
+`use_bf16_weights(model, kernels, max_rows)` (chapter 06) gives every linear a bfloat16 copy of its weight,
+laid out once for the C++ kernel `bf16_linear` (`bf16_pack`: blocks of 8 rows, each one sequential stream),
+which multiplies batches of up to `max_rows` rows with it: a decode step streams every weight once, so half
+the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the float32 weight is a widened
+bf16), and the sums are float32, so the output is the float32 linear's up to the order of the sums. Larger
+batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
+round once, as a bf16 matmul rounds (its own bf16 path ran at ~1 GFLOP/s here).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PackableLinear(nn.Linear):
     """nn.Linear whose weight can be prepacked for oneDNN on CPU (see the module docstring)."""
 
     packed_weight: torch.Tensor | None = None
-    bf16_weight: torch.Tensor | None = None  # [out, in] bf16 copy for small batches (use_bf16_weights)
+    bf16_weight: torch.Tensor | None = None  # bf16 copy for small batches, packed by the kernels' bf16_pack
     bf16_max_rows: int = 0
     bf16_kernels: Any = None
 
@@ -70,7 +71,7 @@ class PackableLinear(nn.Linear):
 
     def use_bf16(self, kernels: Any, max_rows: int) -> None:
         """Multiply batches of up to max_rows rows with a bf16 copy of the weight (the C++ `bf16_linear`)."""
-        self.bf16_weight = self.weight.detach().to(torch.bfloat16).contiguous()
+        self.bf16_weight = kernels.bf16_pack(self.weight.detach())  # [ceil(out / 8), in, 8]
         self.bf16_max_rows, self.bf16_kernels = max_rows, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
@@ -79,7 +80,7 @@ class PackableLinear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.bf16_weight is not None and x.dim() == 2:
             if x.shape[0] <= self.bf16_max_rows:
-                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias)  # [rows, out]
+                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
             if x.dtype == torch.bfloat16:  # no fast bf16 matmul on this CPU: float32, rounded once as bf16's is
                 return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(x.dtype)
         if self.packed_weight is not None:
