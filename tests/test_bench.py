@@ -4,6 +4,8 @@ No speed assertions."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import random
@@ -147,6 +149,9 @@ def test_roofline_costs_by_hand():
     # q 4x4, k 4x2, v 4x2, o 4x4 = 48; gate, up, down 3 x 4x8 = 96
     assert TINY.linear_params == 144 and TINY.lm_head_params == 40 and TINY.norm_params == 12
     assert TINY.weight_bytes_per_step == (144 + 12 + 40) * 2
+    # float32 activations and norms, linears streamed as bf16 copies (a bf16 checkpoint on an AVX2 CPU)
+    copies = dataclasses.replace(TINY, dtype_bytes=4, weight_dtype_bytes=2)
+    assert copies.weight_bytes_per_step == (144 + 40) * 2 + 12 * 4
     assert TINY.kv_bytes_per_position == 2 * 1 * 1 * 2 * 2
     # one request: prompt 3, output 2 -> positions 0..3 go through the layers, context 1..4
     c = workload_cost(TINY, [3], [2], num_steps=2)

@@ -20,7 +20,8 @@ Norms, rotary, softmax, activations and biases are a rounding error and are left
 
 Bytes (the minimal traffic for the schedule the engine ran):
   weights read once per engine step (all linear layers, norms and the LM head; an untied input embedding is a
-  row gather and is left out) x number of steps
+  row gather and is left out) x number of steps; linears count at the bytes the engine keeps them in (a
+  bf16 checkpoint run in float32 on CPU streams bf16 copies: 2 bytes each)
   + the KV cache read by every decode token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes x context
   + the KV cache written once for every processed position.
 Activations are left out (they are small next to the weights at these batch sizes).

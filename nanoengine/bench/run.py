@@ -33,6 +33,7 @@ from nanoengine.bench.report import report, write_json
 from nanoengine.bench.roofline import ModelShape, roofline, shape_dict, workload_cost
 from nanoengine.bench.step_profile import single_stream
 from nanoengine.bench.workload import Workload, make_workload, poisson_arrivals
+from nanoengine.engine.model_runner import bf16_weight_rows
 
 
 def _params(wl: Workload) -> list[SamplingParams]:
@@ -177,7 +178,9 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
     eng = run_online(llm, wl, request_rate, seed, quiet) if online else run_engine(llm, wl, quiet)
     result["nanoengine"] = eng
     result["peak_memory"] = peak_memory(device)
-    shape = ModelShape.from_hf_config(cfg.hf_config, cfg.torch_dtype.itemsize)
+    # decode steps stream the linears' bf16 copies where the engine keeps them (a bf16 checkpoint in float32 on CPU)
+    weight_bytes = 2 if bf16_weight_rows(cfg) else None
+    shape = ModelShape.from_hf_config(cfg.hf_config, cfg.torch_dtype.itemsize, weight_bytes)
     cost = workload_cost(shape, wl.prompt_lens, wl.output_lens, eng["steps"]["num_steps"], eng["cached_tokens"])
     result["model_shape"] = shape_dict(shape)
     result["cost"] = cost

@@ -60,13 +60,15 @@ class ModelShape:
     tied: bool
     dtype_bytes: int
     qk_norm: bool = False  # Qwen3 normalizes q and k per head
+    weight_dtype_bytes: int | None = None  # bytes per weight as the engine reads them, if not dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2) -> ModelShape:
+    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2, weight_dtype_bytes: int | None = None) -> ModelShape:
         return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                    kv_heads=num_kv_heads(cfg), head_dim=head_dim(cfg), intermediate=cfg.intermediate_size,
                    vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                   dtype_bytes=dtype_bytes, qk_norm=getattr(cfg, "model_type", "") == "qwen3")
+                   dtype_bytes=dtype_bytes, qk_norm=getattr(cfg, "model_type", "") == "qwen3",
+                   weight_dtype_bytes=weight_dtype_bytes)
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -91,7 +93,8 @@ class ModelShape:
 
     @property
     def weight_bytes_per_step(self) -> int:
-        return (self.linear_params + self.norm_params + self.lm_head_params) * self.dtype_bytes
+        linears = (self.linear_params + self.lm_head_params) * (self.weight_dtype_bytes or self.dtype_bytes)
+        return linears + self.norm_params * self.dtype_bytes
 
     @property
     def kv_bytes_per_position(self) -> int:
