@@ -180,10 +180,14 @@ class Scheduler:
         ignored. Blocks freed by finishing sequences are added to `out.blocks_freed`.
         """
         bm = self.block_manager
+        size = bm.block_size
         for s in out.scheduled:
-            if not s.seq.is_finished:  # else: aborted between schedule() and postprocess()
-                s.seq.num_computed_tokens += s.num_new_tokens
-                bm.cache_full_blocks(s.seq)
+            seq = s.seq
+            if not seq.is_finished:  # else: aborted between schedule() and postprocess()
+                before = seq.num_computed_tokens
+                seq.num_computed_tokens += s.num_new_tokens
+                if seq.num_computed_tokens // size > before // size:  # a block filled up (most decodes: none)
+                    bm.cache_full_blocks(seq)
         finished = []
         for seq, token in sampled:
             if seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
