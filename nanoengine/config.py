@@ -16,8 +16,9 @@ Attention backend and block size ('auto'/None are picked, an explicit choice is 
 
 Per-step overhead (chapter 06), decided here once: decode steps replay CUDA graphs on CUDA unless
 enforce_eager=True (or the backend is `torch`, whose store syncs with the host: eager, with a warning); on
-CPU they run eagerly, or through the graphs' CPU stand-in with graph_stand_in=True. torch_compile compiles the
-small fused ops and the sampler (default: on CUDA only).
+CPU with the `cpu` backend they run the whole layer stack in one C++ call (`fused_decode`) unless
+enforce_eager=True, else eagerly, or through the graphs' CPU stand-in with graph_stand_in=True. torch_compile
+compiles the small fused ops and the sampler (default: on CUDA only).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     # vLLM's switch for CUDA graphs (chapter 06): on CUDA, decode steps replay graphs captured per batch-size
-    # bucket unless enforce_eager=True. On CPU there are no graphs: the model runs eagerly (see graph_stand_in).
+    # bucket unless enforce_eager=True. On CPU there are no graphs: with the `cpu` backend decode steps run the
+    # layers in one C++ call instead (fused_decode), which enforce_eager=True also turns off (see graph_stand_in).
     enforce_eager: bool = False
     # CPU only: run decode steps through the CPU stand-in of CUDA graphs (the same buckets, padding and static
     # buffers; "replay" calls the recorded forward on them), so chapter 06 and the tests run the graph logic
@@ -234,6 +236,16 @@ class EngineConfig:
         graphs = (self.device == "cuda" and not self.enforce_eager and self.attention_backend != "torch"
                   and not self.model_pieces)
         return "cuda" if graphs else None
+
+    @property
+    def fused_decode(self) -> bool:
+        """After resolve(): whether decode steps run the whole layer stack in one C++ call (CPU, backend 'cpu':
+        nanoengine.models.fused_decode), the CPU's analogue of CUDA graphs; enforce_eager=True turns it off.
+        Not with what it does not mirror: the graphs' stand-in, the learner's pieces, tensor parallelism, or
+        oneDNN-prepacked weights."""
+        return (self.device == "cpu" and self.attention_backend == "cpu" and not self.enforce_eager
+                and self.decode_graphs is None and not self.use_exercises and self.tensor_parallel_size == 1
+                and not self.prepack_weights)
 
     @property
     def dist_backend(self) -> str:

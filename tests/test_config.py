@@ -156,6 +156,20 @@ def tiny_hf_config():
     return Qwen3Config(**assets.TINY_QWEN3_DIMS)
 
 
+def test_fused_decode_only_where_it_mirrors_the_forward():
+    """Decode steps run the layers in one C++ call on CPU with the cpu backend, and not with enforce_eager, the
+    graphs' stand-in, the learner's pieces or tensor parallelism (what FusedDecode does not mirror)."""
+    from nanoengine.config import EngineConfig
+
+    resolved = EngineConfig(device="cpu").resolve(tiny_hf_config())
+    assert resolved.fused_decode is (resolved.attention_backend == "cpu")
+    if resolved.attention_backend != "cpu":
+        pytest.skip("the C++ kernels cannot be built here")
+    for options in ({"attention_backend": "torch"}, {"graph_stand_in": True}, {"enforce_eager": True},
+                    {"tensor_parallel_size": 2}, {"use_exercises": ["ch05"]}):
+        assert not EngineConfig(device="cpu", **options).resolve(tiny_hf_config()).fused_decode, options
+
+
 def test_resolving_never_compiles(monkeypatch):
     """'auto' asks whether the CPU kernels are built or buildable; it never builds them itself."""
     from nanoengine.config import EngineConfig

@@ -204,3 +204,61 @@ def test_smollm2_float32_with_bf16_weight_copies_equals_without(kernels, monkeyp
         outs[rows, "single"] = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert outs[model_runner.BF16_WEIGHT_MAX_ROWS] == outs[0]
     assert outs[model_runner.BF16_WEIGHT_MAX_ROWS, "single"] == outs[0, "single"]
+
+
+def decode_step_input(llm, prompts: list[list[int]]):
+    """Drive the engine until it builds a decode-only step of these prompts; return that step's input (the
+    requests are aborted, their blocks keep the K/V the step reads, so the step can be run more than once)."""
+    from nanoengine import SamplingParams
+
+    eng = llm.engine
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
+    while True:
+        out = eng.scheduler.schedule()
+        inp = eng.inputs.build(out.scheduled)
+        if inp.is_decode_only:
+            for rid in rids:
+                eng.abort(rid)
+            return inp
+        eng.scheduler.postprocess(out, eng.runner.run(inp))
+
+
+@pytest.mark.parametrize("model,batch", [("tiny-qwen3", 1), ("tiny-qwen3", 5), ("smollm2-135m", 1),
+                                         ("smollm2-135m", 6)])
+def test_fused_decode_step_equals_the_layer_by_layer_forward_bit_for_bit(kernels, model, batch):
+    """FusedDecode (every decoder layer of a decode step in one C++ call) runs the same kernels in the same
+    order as the model's forward: equal hidden states, bit for bit. tiny-qwen3: Qwen3's q/k norms (the kernel
+    on one row, the eager ops on strided rows of a batch) and plain float32 linears; smollm2 in float32: the
+    linears' bf16 copies."""
+    from nanoengine import LLM
+
+    llm = LLM(model, dtype="float32", num_kvcache_blocks=64)
+    runner = llm.engine.runner
+    assert llm.config.fused_decode and runner.fused is not None
+    assert (runner.fused.max_rows is None) == (model == "tiny-qwen3")  # tiny-qwen3 is not a bf16 checkpoint
+    inp = decode_step_input(llm, [[5 + i, 17, 300, 42] * (3 + 2 * i) for i in range(batch)])
+    assert runner.fused.can_run(inp)
+    with torch.inference_mode():
+        fused = runner.fused(inp)
+        eager = runner.eager_forward(inp)
+        with runner.fused.timed() as times:
+            again = runner.fused(inp)
+    assert fused.shape == (batch, llm.config.hf_config.hidden_size)
+    assert torch.equal(fused, eager) and torch.equal(again, fused)
+    assert times["linears"] > 0 and times["attention"] > 0
+
+
+@pytest.mark.xdist_group("tiny")
+def test_fused_decode_is_on_where_it_mirrors_the_forward_and_off_with_enforce_eager(kernels):
+    """On CPU with the cpu backend decode steps run fused: greedy tokens equal to enforce_eager=True's (which
+    turns it off), with chunked prefill and a prefix hit in the mix."""
+    from nanoengine import LLM, SamplingParams
+
+    prompts = [[5, 17, 300, 42] * n for n in (1, 7, 15)] + [[5, 17, 300, 42] * 15 + [9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM("tiny-qwen3", enforce_eager=eager, max_num_batched_tokens=32, num_kvcache_blocks=64)
+        assert llm.config.fused_decode is (not eager) and (llm.engine.runner.fused is None) is eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[False] == outs[True]

@@ -9,8 +9,9 @@
   - other: the rest of the forward and the sampler (embedding, norms, rotary, SwiGLU, logits to float32,
     sampling, and Python between the ops);
   - host: the engine outside the model runner (scheduling, building inputs, postprocess and detokenizing).
-The timers are forward hooks (two clock reads per module call, ~1-2% of a step here); the split comes from
-the timed run, the tokens/s from the plain one. On CPU every op runs synchronously, so the clock reads time
+The timers are forward hooks (two clock reads per module call, ~1-2% of a step here), and, where a decode
+step runs its layers in one C++ call (`models/fused_decode.py`), that call's own clocks around its linears
+and attention; the split comes from the timed run, the tokens/s from the plain one. On CPU every op runs synchronously, so the clock reads time
 the ops themselves; on CUDA they would time launches only, so the split is CPU-only.
 """
 
@@ -57,6 +58,17 @@ def module_timers(model: nn.Module):
             h.remove()
 
 
+@contextmanager
+def fused_timers(runner: Any):
+    """The fused decode step's own timers (nanoengine.models.fused_decode), where the runner has one: its
+    layers run in one C++ call, so no module hook fires inside them. Yields {"linears", "attention"} seconds."""
+    if runner.fused is None:
+        yield {}
+        return
+    with runner.fused.timed() as totals:
+        yield totals
+
+
 def _decode_run(llm: LLM, prompt: list[int], output_len: int) -> tuple[Any, list[Any]]:
     """One greedy request through the engine: (its output, the StepStats of its decode steps)."""
     engine = llm.engine
@@ -75,9 +87,11 @@ def single_stream(llm: LLM, prompt_len: int = 256, output_len: int = 64, seed: i
     out, _ = _decode_run(llm, prompt, output_len)
     m = out.metrics
     tpot = (m.finished_time - m.first_token_time) / max(1, output_len - 1)
-    model = llm.engine.runner.model
-    with module_timers(model) as totals:
+    runner = llm.engine.runner
+    with module_timers(runner.model) as totals, fused_timers(runner) as fused:
         _, steps = _decode_run(llm, prompt, output_len)
+    for part in ("linears", "attention"):
+        totals[part] += fused.get(part, 0.0)
     n = max(1, len(steps))
     forward = sum(s.forward_s for s in steps) / n
     host = sum(s.schedule_s + s.prepare_s + s.postprocess_s for s in steps) / n

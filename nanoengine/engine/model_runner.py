@@ -39,6 +39,7 @@ from nanoengine.errors import InvalidValueError
 from nanoengine.layers.linear import prepack_weights, use_bf16_weights
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.models import get_model_class, hf_config
+from nanoengine.models.fused_decode import FusedDecode
 from nanoengine.models.loader import load_model
 from nanoengine.pieces import Pieces
 
@@ -188,6 +189,8 @@ class ModelRunner:
         self.kv_cache_shape = layer_shape  # one layer's K (or V) cache, in the backend's layout
         self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        # decode steps in one C++ call (CPU): built on the caches just bound
+        self.fused = FusedDecode(self.model, kernels.for_config(self.config)) if self.config.fused_decode else None
 
     def cuda_kv_budget(self) -> float:
         """Bytes the KV cache may take on CUDA: gpu_memory_utilization of the GPU, less what is not torch's
@@ -254,10 +257,12 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden]: by graph replay for a decode step that fits a bucket, else
-        eagerly."""
+        """Hidden states [num_tokens, hidden]: by graph replay for a decode step that fits a bucket, in one C++
+        call for a decode step on CPU (FusedDecode), else eagerly."""
         if self.graphs is not None and self.graphs.can_replay(inp):
             return self.graphs.replay(inp)
+        if self.fused is not None and self.fused.can_run(inp):
+            return self.fused(inp)
         return self.eager_forward(inp)
 
     def eager_forward(self, inp: ModelInput) -> torch.Tensor:
