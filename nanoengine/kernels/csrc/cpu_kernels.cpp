@@ -72,11 +72,52 @@ constexpr int64_t kPrefetchRows = 16;  // how far ahead pass 1 asks for K rows
 // pre-scaled) and the L rows of K at `rows` (offsets into the head's cache). With AVX2 and a head size that
 // is a multiple of 16, four K rows at a time: each q vector is loaded once for four rows. It also prefetches
 // K rows ahead, and the V rows pass 2 will read (so they wait in the cache).
+#ifdef NANOENGINE_AVX2
+// Pass 1 with AVX2 for a compile-time group of kG query heads: each chunk of 8 columns of four K rows is loaded
+// (and widened) once for all kG heads, whose 4 * kG running sums stay in registers.
+template <typename scalar_t, int kD, int kG>
+int64_t attention_scores_avx2(const float* qf, const scalar_t* k_head, const scalar_t* v_head, const int64_t* rows,
+                              int64_t L, float* scores) {
+  int64_t l = 0;
+  for (; l + 4 <= L; l += 4) {
+    for (int64_t r = l; r < l + 4; ++r) {
+      if (r + kPrefetchRows < L) prefetch_row(k_head + rows[r + kPrefetchRows], kD);
+      prefetch_row(v_head + rows[r], kD);
+    }
+    const scalar_t* k[4] = {k_head + rows[l], k_head + rows[l + 1], k_head + rows[l + 2], k_head + rows[l + 3]};
+    __m256 acc[kG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < kG; ++g)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+    for (int d = 0; d < kD; d += 8) {
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 kv = load8(k[r] + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < kG; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * kD + d), kv, acc[g][r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < kG; ++g) _mm_storeu_ps(scores + g * L + l, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  return l;
+}
+#endif
+
 template <typename scalar_t, int kD>
 void attention_scores(const float* qf, int64_t group, int64_t D, const scalar_t* k_head, const scalar_t* v_head,
                       const int64_t* rows, int64_t L, float* scores) {
   int64_t l = 0;
 #ifdef NANOENGINE_AVX2
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    switch (group) {  // the common GQA groups: K loaded once for the whole group
+      case 2: l = attention_scores_avx2<scalar_t, kD, 2>(qf, k_head, v_head, rows, L, scores); break;
+      case 3: l = attention_scores_avx2<scalar_t, kD, 3>(qf, k_head, v_head, rows, L, scores); break;
+      case 4: l = attention_scores_avx2<scalar_t, kD, 4>(qf, k_head, v_head, rows, L, scores); break;
+      default: break;
+    }
+  }
   if constexpr (kD > 0 && kD % 16 == 0) {
     for (; l + 4 <= L; l += 4) {
       for (int64_t r = l; r < l + 4; ++r) {
@@ -109,26 +150,31 @@ void attention_scores(const float* qf, int64_t group, int64_t D, const scalar_t*
 }
 
 #ifdef NANOENGINE_AVX2
-// Pass 2 with AVX2, kG query heads (a compile-time group): acc[g, :] = sum_l p[g, l] v_l, 16 columns at a time,
-// so the 2 * kG running sums stay in registers while the V rows stream by.
+// Pass 2 with AVX2, kG query heads (a compile-time group): acc[g, :] = sum_l p[g, l] v_l, kC columns at a time
+// (32 for groups up to 3, else 16), so the kG * kC / 8 running sums stay in registers while the V rows stream by.
 template <typename scalar_t, int kD, int kG>
 void attention_values_avx2(const float* probs, const scalar_t* v_head, const int64_t* rows, int64_t L, float* acc) {
-  for (int c = 0; c < kD; c += 16) {
-    __m256 a[kG][2];
-    for (int g = 0; g < kG; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  constexpr int kC = (kG <= 3 && kD % 32 == 0) ? 32 : 16, kV = kC / 8;
+  for (int c = 0; c < kD; c += kC) {
+    __m256 a[kG][kV];
+#pragma GCC unroll 4
+    for (int g = 0; g < kG; ++g)
+#pragma GCC unroll 4
+      for (int j = 0; j < kV; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t l = 0; l < L; ++l) {
       const scalar_t* v = v_head + rows[l] + c;
-      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      __m256 vv[kV];
+#pragma GCC unroll 4
+      for (int j = 0; j < kV; ++j) vv[j] = load8(v + 8 * j);
+#pragma GCC unroll 4
       for (int g = 0; g < kG; ++g) {
         const __m256 p = _mm256_set1_ps(probs[g * L + l]);
-        a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kV; ++j) a[g][j] = _mm256_fmadd_ps(p, vv[j], a[g][j]);
       }
     }
-    for (int g = 0; g < kG; ++g) {
-      _mm256_storeu_ps(acc + g * kD + c, a[g][0]);
-      _mm256_storeu_ps(acc + g * kD + c + 8, a[g][1]);
-    }
+    for (int g = 0; g < kG; ++g)
+      for (int j = 0; j < kV; ++j) _mm256_storeu_ps(acc + g * kD + c + 8 * j, a[g][j]);
   }
 }
 #endif
