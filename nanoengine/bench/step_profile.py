@@ -11,8 +11,9 @@
   - host: the engine outside the model runner (scheduling, building inputs, postprocess and detokenizing).
 The timers are forward hooks (two clock reads per module call, ~1-2% of a step here), and, where a decode
 step runs its layers in one C++ call (`models/fused_decode.py`), that call's own clocks around its linears
-and attention; the split comes from the timed run, the tokens/s from the plain one. On CPU every op runs synchronously, so the clock reads time
-the ops themselves; on CUDA they would time launches only, so the split is CPU-only.
+and attention; the split comes from the timed run, the tokens/s from the plain one. On CPU every op runs
+synchronously, so the clock reads time the ops themselves; on CUDA they would time launches only, so the
+split is CPU-only.
 """
 
 from __future__ import annotations

@@ -86,6 +86,10 @@ class BlockManager:
         """Blocks that hold num_tokens tokens: the ceiling of num_tokens / block_size."""
         return -(-num_tokens // self.block_size)
 
+    def fills_a_block(self, computed_before: int, computed_after: int) -> bool:
+        """True when computing tokens computed_before..computed_after-1 completes at least one block."""
+        return computed_after // self.block_size > computed_before // self.block_size
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks seq needs to hold num_computed_tokens + num_new_tokens tokens."""
         return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))

@@ -110,7 +110,7 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
                     break
                 out.blocks_allocated += bm.allocate(seq, n)
-            if (computed + n) // bm.block_size > computed // bm.block_size:  # a block fills up this step
+            if bm.fills_a_block(computed, computed + n):  # a block fills up this step
                 bm.cache_full_blocks(seq, computed + n)  # hits for later admissions
             out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
             budget -= n
@@ -180,13 +180,12 @@ class Scheduler:
         ignored. Blocks freed by finishing sequences are added to `out.blocks_freed`.
         """
         bm = self.block_manager
-        size = bm.block_size
         for s in out.scheduled:
             seq = s.seq
             if not seq.is_finished:  # else: aborted between schedule() and postprocess()
                 before = seq.num_computed_tokens
                 seq.num_computed_tokens += s.num_new_tokens
-                if seq.num_computed_tokens // size > before // size:  # a block filled up (most decodes: none)
+                if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
                     bm.cache_full_blocks(seq)
         finished = []
         for seq, token in sampled:

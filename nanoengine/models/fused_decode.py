@@ -53,6 +53,7 @@ class FusedDecode:
                 gate_up=_linear(kernels, mlp.gate_up_proj), down=_linear(kernels, mlp.down_proj),
                 k_cache=attn.attn.k_cache, v_cache=attn.attn.v_cache))
         self.times: torch.Tensor | None = None  # [linears, attention] seconds while `timed()` is open
+        self.untimed = torch.empty(0, dtype=torch.float64)  # what decode_layers gets otherwise
 
     def can_run(self, inp: ModelInput) -> bool:
         return inp.is_decode_only and (self.max_rows is None or inp.num_tokens <= self.max_rows)
@@ -65,7 +66,7 @@ class FusedDecode:
         return self.kernels.decode_layers(
             x, inp.positions, attn.slot_mapping, attn.decode_block_tables, attn.decode_context_lens, self.layers,
             self.model.norm.weight, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, self.scale, self.times if self.times is not None else torch.empty(0, dtype=torch.float64))
+            self.eps, self.scale, self.times if self.times is not None else self.untimed)
 
     @contextmanager
     def timed(self):
