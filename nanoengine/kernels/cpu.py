@@ -1,15 +1,18 @@
-"""The compiled CPU kernels (csrc/cpu_kernels.cpp): building, caching and loading them. Chapters 03 and 06.
+"""The compiled CPU kernels (csrc/*.cpp): building, caching and loading them. Chapters 03 and 06.
 
-One C++ extension holds five kernels: paged decode attention that reads K/V in place from the blocks (the
-`cpu` attention backend), fused (residual +) RMSNorm, rotary and SwiGLU for the model's glue, which
-round where the eager ops round, and a small-batch linear with bf16 weights (`bf16_linear`, for decode
-steps: `layers.linear.use_bf16_weights`). The hot loops use AVX2/FMA intrinsics where the compiler targets
-them (-march=native picks them on the machine that builds), and plain loops elsewhere. It is compiled with the C++ compiler torch uses
-(`torch.utils.cpp_extension`, about 30 s) into `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`,
-once: by `make assets` (`python -m nanoengine.kernels`), or at first use with a message saying so. A built
-library is imported directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and
-two checkouts sharing one NANOENGINE_HOME) load it side by side. The folder name carries a hash of the source
-and flags, so a changed kernel builds anew instead of reusing a stale library.
+One C++ extension, one source file per family of kernels: paged decode attention that reads K/V in place
+from the blocks (`decode_attention.cpp`, the `cpu` attention backend), fused (residual +) RMSNorm, rotary
+and SwiGLU for the model's glue, which round where the eager ops round (`glue.cpp`), a small-batch linear
+with bf16 weights (`bf16_linear.cpp`, for decode steps: `layers.linear.use_bf16_weights`) and a decode
+step's decoder layers in one call (`decode_step.cpp`); `module.cpp` binds them, `kernels.h` declares them
+and `simd.h` holds the helpers they share. The hot loops use AVX2/FMA intrinsics where the compiler
+targets them (-march=native picks them on the machine that builds), and plain loops elsewhere. The files
+are compiled with the C++ compiler torch uses (`torch.utils.cpp_extension`, about 30 s) and linked into
+one library in `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`, once: by `make assets`
+(`python -m nanoengine.kernels`), or at first use with a message saying so. A built library is imported
+directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and two checkouts
+sharing one NANOENGINE_HOME) load it side by side. The folder name carries a hash of the sources (every
+file in csrc/) and flags, so a changed kernel builds anew instead of reusing a stale library.
 
 Deciding whether to use them never compiles: `build_problem()` answers "is it built, or can it be built
 here" by looking for the built library, a compiler, ninja and the Python headers.
@@ -31,11 +34,12 @@ from types import ModuleType
 import torch
 
 NAME = "nanoengine_cpu_kernels"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled and linked into one library; they include the .h files
 # -ffast-math lets the compiler vectorize the dot products and exp; 512-bit vectors where the CPU has them;
 # the --param lets GCC keep a tile's 12 accumulator registers (an array of 384 bytes) in registers, where its
-# default limit left them on the stack, stored at every step (bf16_linear at 6 rows or more: 30 -> 80 GFLOP/s
-# on one EPYC core); other compilers ignore it
+# default limit left them on the stack, stored at every step (bf16_linear at 6 rows or more ran at under half
+# the speed); other compilers ignore it
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
          "--param", "sra-max-scalarization-size-Ospeed=2048"]
 
@@ -53,8 +57,12 @@ def cpu_signature() -> str:
 
 
 def source_signature() -> str:
-    """A short hash of the kernel source and its compiler flags."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:8]
+    """A short hash of the kernel sources (every .cpp and .h in csrc/: names and bytes) and compiler flags."""
+    h = hashlib.sha1()
+    for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    return h.hexdigest()[:8]
 
 
 def build_dir() -> Path:
@@ -108,12 +116,13 @@ def load() -> ModuleType:
     if library is None:
         print("nanoengine: compiling the CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
-        return load_extension(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        return load_extension(NAME, [str(f) for f in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=str(path))
     except Exception as e:  # a compiler error or missing headers: say what to do instead
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        raise RuntimeError(f"nanoengine: the CPU kernels could not be built ({type(e).__name__}: {last}); "
-                           "install a C++ compiler (e.g. build-essential) or use attention_backend='torch'") from e
+        raise RuntimeError(
+            f"nanoengine: the CPU kernels could not be built ({type(e).__name__}: {last}); "
+            "install a C++ compiler (e.g. build-essential) or use attention_backend='torch'") from e
 
 
 def unavailable_reason() -> str | None:

@@ -41,7 +41,7 @@ def reference_file(model: str) -> Path:
     from nanoengine import assets
 
     h = hashlib.sha1()
-    for f in sorted(PACKAGE.rglob("*.py")) + sorted(PACKAGE.rglob("*.cpp")):
+    for f in sorted(PACKAGE.rglob("*.py")) + sorted(PACKAGE.rglob("*.cpp")) + sorted(PACKAGE.rglob("*.h")):
         h.update(f.read_bytes())
     folder = assets.resolve_model(model)
     for f in sorted(folder.iterdir()):

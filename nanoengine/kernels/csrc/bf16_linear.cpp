@@ -1,0 +1,184 @@
+// nanoengine's CPU kernels, family 3 (chapter 06): the small-batch linear with bfloat16 weights, `bf16_pack`
+// and `bf16_linear` (for decode steps: `layers.linear.use_bf16_weights`).
+//
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias). A decode step multiplies a few rows (M = the batch) by every weight
+// matrix, so its time is the time to stream the weights from memory: half the bytes is twice the speed. The
+// weights are kept in bfloat16 and widened to float32 in registers (exact: a bf16 value is the top half of a
+// float32), the sums are float32. For a bf16 checkpoint run in float32 the result is the float32 linear's
+// (up to the order of the sums).
+//
+// Layout: `bf16_pack` lays W out once as [ceil(N / 8), K, 8]: blocks of 8 weight rows, and in a block, for
+// each input column k, the 8 rows' weights side by side (one register once widened). Then
+// - a block is one sequential stream, read front to back and prefetched 2 KiB ahead (1 KiB was slower).
+//   Read row by row from the plain [N, K] layout, the same sums streamed the weights markedly slower; packed,
+//   about as fast as a plain float32 sum reads memory;
+// - 8 outputs are one register: out[m, block] += x[m, k] (broadcast) * W[block, k], with no horizontal sums.
+// Work: blocks split over the threads; each block is read from memory once and multiplied with every row of
+// x (x stays in the cache). One row of x: four chains of sums over k (FMA latency), added at the end. More
+// rows: two blocks (16 outputs) times 6 rows of x at a time (12 sums in registers); from 16 rows of x on, the
+// two blocks are first widened to float32 once, and the tiles read floats from the cache (at 4-8 rows the
+// widening cost more than it saved).
+#include "kernels.h"
+#include "simd.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace nanoengine {
+namespace {
+
+constexpr int64_t kRows = 8;  // weight rows per block (one register of outputs)
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its reads a block's stream is prefetched
+constexpr int64_t kWidenRows = 16;  // from this many rows of x on, blocks are widened to float32 once
+
+// out[m, n0 + r] = sums[r] + bias (rows past N are padding: skipped)
+template <typename out_t>
+inline void store_row(const float* sums, const float* bias, int64_t n0, int64_t N, out_t* out_row) {
+  for (int64_t r = 0; r < kRows && n0 + r < N; ++r)
+    out_row[n0 + r] = static_cast<out_t>(sums[r] + (bias ? bias[n0 + r] : 0.f));
+}
+
+#ifdef NANOENGINE_AVX2
+// one row of x against one block (w: K * 8 bf16), streamed once with prefetch; 4 chains over k
+template <typename out_t>
+inline void block_1row(const float* x, int64_t K, const c10::BFloat16* w, const float* bias, int64_t n0,
+                       int64_t N, out_t* out) {
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {  // 4 columns = 64 bytes of the block: one cache line
+    _mm_prefetch(pf + k * kRows * 2, _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(x[k + j]), load_bf16x8(w + (k + j) * kRows), acc[j]);
+  }
+  for (; k < K; ++k) acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(x[k]), load_bf16x8(w + k * kRows), acc[0]);
+  alignas(32) float sums[kRows];
+  _mm256_store_ps(sums, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  store_row(sums, bias, n0, N, out);
+}
+
+// kM rows of x (from m0) against kB consecutive blocks (w: kB * K * 8, bf16 or widened float)
+template <int kM, int kB, typename W_t, typename out_t>
+inline void tile(const float* x, int64_t m0, int64_t K, const W_t* w, const float* bias, int64_t n0, int64_t N,
+                 out_t* out) {
+  // (the unroll pragmas let the compiler keep acc in registers: without them GCC kept it on the stack)
+  __m256 acc[kM][kB];
+#pragma GCC unroll 16
+  for (int m = 0; m < kM; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) acc[m][b] = _mm256_setzero_ps();
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[kB];
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) wv[b] = load8(w + (b * K + k) * kRows);
+#pragma GCC unroll 16
+    for (int m = 0; m < kM; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
+#pragma GCC unroll 4
+      for (int b = 0; b < kB; ++b) acc[m][b] = _mm256_fmadd_ps(xb, wv[b], acc[m][b]);
+    }
+  }
+  alignas(32) float sums[kM][kB][kRows];
+#pragma GCC unroll 16
+  for (int m = 0; m < kM; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) _mm256_store_ps(sums[m][b], acc[m][b]);
+  for (int m = 0; m < kM; ++m)
+    for (int b = 0; b < kB; ++b) store_row(sums[m][b], bias, n0 + b * kRows, N, out + (m0 + m) * N);
+}
+
+// every row of x against kB consecutive blocks: 6 rows at a time, then 3, then 1
+template <int kB, typename W_t, typename out_t>
+inline void tiles(const float* x, int64_t M, int64_t K, const W_t* w, const float* bias, int64_t n0, int64_t N,
+                  out_t* out) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile<6, kB>(x, m, K, w, bias, n0, N, out);
+  for (; m + 3 <= M; m += 3) tile<3, kB>(x, m, K, w, bias, n0, N, out);
+  for (; m < M; ++m) tile<1, kB>(x, m, K, w, bias, n0, N, out);
+}
+#endif
+
+// Blocks [b, b + nb) (nb = 1 or 2; w: their nb * K * 8 bf16) against all M rows of x.
+// wide: scratch for the blocks widened to float32 (2 * K * 8), used when enough rows of x share them.
+template <typename out_t>
+void gemv_blocks(const float* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t nb, const float* bias,
+                 int64_t n0, int64_t N, out_t* out, float* wide) {
+#ifdef NANOENGINE_AVX2
+  if (M == 1) {
+    for (int64_t b = 0; b < nb; ++b) block_1row(x, K, w + b * K * kRows, bias, n0 + b * kRows, N, out);
+  } else if (M < kWidenRows) {
+    if (nb == 2) tiles<2>(x, M, K, w, bias, n0, N, out);
+    else tiles<1>(x, M, K, w, bias, n0, N, out);
+  } else {  // widen once (streaming the blocks in with prefetch), then every tile reads floats
+    const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+    for (int64_t i = 0; i < nb * K * kRows; i += 8) {
+      if (i % 32 == 0) _mm_prefetch(pf + i * 2, _MM_HINT_T0);
+      _mm256_storeu_ps(wide + i, load_bf16x8(w + i));
+    }
+    if (nb == 2) tiles<2>(x, M, K, static_cast<const float*>(wide), bias, n0, N, out);
+    else tiles<1>(x, M, K, static_cast<const float*>(wide), bias, n0, N, out);
+  }
+  return;
+#endif
+  float sums[kRows];
+  for (int64_t b = 0; b < nb; ++b)  // plain loops: a CPU without AVX2
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t r = 0; r < kRows; ++r) {
+        sums[r] = 0.f;
+        for (int64_t k = 0; k < K; ++k) sums[r] += x[m * K + k] * to_float(w[(b * K + k) * kRows + r]);
+      }
+      store_row(sums, bias, n0 + b * kRows, N, out + m * N);
+    }
+}
+
+}  // namespace
+
+// weight [N, K] -> the packed bf16 layout above, [ceil(N / 8), K, 8] (zero rows pad N to a multiple of 8)
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "bf16_pack: a weight [N, K], got ", weight.dim(), " dimensions");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  auto padded = at::constant_pad_nd(weight.to(at::kBFloat16), {0, 0, 0, blocks * kRows - N});
+  return padded.view({blocks, kRows, K}).transpose(1, 2).contiguous();  // [blocks, K, 8]
+}
+
+// x [M, K] float32 or bfloat16, packed weight (bf16_pack of a [N, K] weight), bias [N] or None -> [M, N] in x's dtype.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_linear: CPU tensors only");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(2) == kRows,
+              "bf16_linear: a bf16 weight packed by bf16_pack");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "bf16_linear: x [M, K] and a weight with the same K");
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(N > (blocks - 1) * kRows && N <= blocks * kRows,
+              "bf16_linear: N = ", N, " does not match the packed weight's ", blocks, " blocks");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "bf16_linear: float32 or bfloat16 x, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto xf = x.to(at::kFloat).contiguous();  // a copy only for bf16 x (a few rows)
+  at::Tensor bf;
+  if (bias) bf = bias->to(at::kFloat).contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = bias ? bf.data_ptr<float>() : nullptr;
+  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+  const int64_t pairs = (blocks + 1) / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {  // each thread streams its share of W
+      std::vector<float> wide(M >= kWidenRows ? 2 * K * kRows : 0);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t b = 2 * p, nb = std::min<int64_t>(2, blocks - b);
+        gemv_blocks<scalar_t>(xp, M, K, wp + b * K * kRows, nb, bp, b * kRows, N, op, wide.data());
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace nanoengine

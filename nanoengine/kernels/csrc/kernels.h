@@ -1,0 +1,53 @@
+// nanoengine's CPU kernels (chapter 06): what the family files define and module.cpp binds to Python.
+// decode_attention.cpp: paged_decode; glue.cpp: rms_norm, rotary, silu_and_mul; bf16_linear.cpp: bf16_pack,
+// bf16_linear; decode_step.cpp: Linear, DecodeLayer, decode_layers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace nanoengine {
+
+// 1. paged decode attention: q [B, H, D] against the K/V rows of each sequence's blocks -> [B, H, D]
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+
+// 2. fused glue: (residual +) RMSNorm -> [normed] or [normed, residual sum]; rotary; silu(gate) * up
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_table,
+                  const at::Tensor& sin_table);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// 3. small-batch linear with bf16 weights: pack a weight [N, K] once, then x [M, K] @ W^T (+ bias)
+at::Tensor bf16_pack(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t N);
+
+// 4. a decode step's decoder layers in one call
+struct Linear {  // one projection: a bf16_pack-ed copy (bf16_linear), else the plain weight (at::linear)
+  c10::optional<at::Tensor> packed;
+  at::Tensor weight;
+  c10::optional<at::Tensor> bias;
+  int64_t out_features = 0;
+  at::Tensor operator()(const at::Tensor& x) const {
+    return packed ? bf16_linear(x, *packed, bias, out_features) : at::linear(x, weight, bias);
+  }
+};
+
+struct DecodeLayer {  // what one Llama/Qwen3 decoder layer needs for a decode step
+  at::Tensor input_norm, post_norm;  // [hidden]
+  c10::optional<at::Tensor> q_norm, k_norm;  // [head_dim]: Qwen3's per-head norms
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;  // [kv_heads, blocks, block_size, head_dim]
+};
+
+at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         const std::vector<DecodeLayer>& layers, const at::Tensor& final_norm,
+                         const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale, at::Tensor times);
+
+}  // namespace nanoengine
