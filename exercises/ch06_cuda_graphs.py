@@ -75,8 +75,8 @@ class StandInGraphs:
       `self.used_width = 0`;
     - capture() records, for every bucket bs, a function of no arguments that runs `forward` on a ModelInput
       built from the first bs rows of the buffers (a decode-only step: num_decode_seqs=bs, no prefill lists,
-      sample_rows=[], sample_seqs=[]) and copies the result into self.out[:bs]. It runs each function once
-      (a capture runs the forward) and keeps it in `self.graphs[bs]`;
+      no sampled rows: ModelInput(ids, positions, meta)) and copies the result into self.out[:bs]. It runs
+      each function once (a capture runs the forward) and keeps it in `self.graphs[bs]`;
     - replay(inp) loads a decode step with your load_static (6.2), calls the bucket's recorded function, and
       returns self.out[:n], the step's own rows. It must not call `forward` on `inp` itself.
     """

@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     m = llm.last_run_stats
     if m:
         print(f"\n[{m['num_requests']} requests, {m['output_tokens']} tokens in {m['seconds']:.1f} s: "
-              f"{m['output_tokens_per_s']:.0f} tok/s on {llm.config.device}]")
+              f"{m['output_tokens_per_s']:.0f} tok/s on {llm.plan.device}]")
     return 0
 
 
@@ -80,7 +80,7 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
 
     group = parser.add_argument_group("engine options (EngineConfig; see nanoengine/config.py)")
     for f in dataclasses.fields(EngineConfig):
-        if f.name in skip or f.name == "hf_config":
+        if f.name in skip:
             continue
         kinds = {k.strip() for k in str(f.type).split("|")}
         flag = "--" + f.name.replace("_", "-")
@@ -106,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     import logging
 
-    from nanoengine.serve.app import serve
+    from nanoengine.serve.server import serve
 
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,

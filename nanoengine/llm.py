@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nanoengine.assets import DEFAULT_MODEL
-from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.errors import InvalidTypeError, InvalidValueError
+from nanoengine.launch import build_engine
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import apply_chat_template
@@ -22,8 +22,9 @@ from nanoengine.tokenizer import apply_chat_template
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        self.engine = LLMEngine(model, **engine_options)
-        self.config = self.engine.config
+        self.engine = build_engine(model, **engine_options)
+        self.config = self.engine.config  # the options as given (EngineConfig)
+        self.plan = self.engine.plan  # what they resolved to on this machine (EnginePlan)
         self.tokenizer = self.engine.tokenizer
         self.trace = None  # RunTrace of the last generate() when trace=True
         self.last_run_stats: dict[str, Any] = {}
@@ -33,7 +34,7 @@ class LLM:
 
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
         """Run a ModelRunner method, or fn(runner, *args), on every rank (vLLM's name); one result per rank."""
-        return self.engine.runner.collective_rpc(method, *args)
+        return self.engine.executor.collective_rpc(method, *args)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes now (they also stop when the LLM is garbage-collected
@@ -70,7 +71,7 @@ class LLM:
         engine = self.engine
         # check every request before queueing any, so one bad prompt leaves nothing half-added
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        if self.config.trace:
+        if self.plan.trace:
             self.trace = engine.start_trace()
         for r in requests:
             engine.add(r)

@@ -111,7 +111,8 @@ def check_tokens(device: str, models=("tiny-qwen3", "smollm2-135m"), dtypes=("fl
             try:  # one failing row (a backend that cannot be captured, say) must not hide the others
                 eager, _ = greedy(model, dtype, device, **mode["eager"])
                 graphs, llm = greedy(model, dtype, device, **mode["graphs"])
-                row.update(backend=llm.config.attention_backend, replays_by_bucket=dict(llm.engine.runner.graphs.replays))
+                row.update(backend=llm.plan.attention_backend,
+                           replays_by_bucket=dict(llm.engine.executor.runner.graphs.replays))
                 del llm
                 compiled, _ = greedy(model, dtype, device, **mode["compiled"])
                 row.update(graphs_equal=graphs == eager, graphs_agree=agreement(graphs, eager),
@@ -141,7 +142,7 @@ def decode_input(runner, batch: int, context: int) -> ModelInput:
                              prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[],
                              prefill_block_tables=[], block_size=bs)
     ids = torch.zeros(batch, dtype=torch.int64, device=dev)
-    return ModelInput(ids, torch.full((batch,), pos, device=dev), meta, list(range(batch)), [])
+    return ModelInput(ids, torch.full((batch,), pos, device=dev), meta, torch.arange(batch, device=dev))
 
 
 def check_decode(device: str, model: str = "qwen3-0.6b-shape", dtype: str = "bfloat16",
@@ -151,11 +152,11 @@ def check_decode(device: str, model: str = "qwen3-0.6b-shape", dtype: str = "bfl
         options = {k: v for k, v in MODES[device][mode].items() if k != "torch_compile"}
         llm = LLM(model, device=device, dtype=dtype, max_num_seqs=max(batches), max_model_len=4096,
                   kv_cache_memory_gb=12 if device == "cuda" else 0.05, **options)
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         assert (runner.graphs is not None) == (mode == "graphs")
         for b in batches:
             inp = decode_input(runner, b, context)
-            rows[b][f"{mode}_ms"] = median_ms(runner.execute, (inp, inp.sample_rows), runner.device)
+            rows[b][f"{mode}_ms"] = median_ms(runner.execute, (inp,), runner.device)
         rows[max(batches)][f"{mode}_graph_memory_mb"] = runner.graph_memory_bytes / 2**20
         del llm, runner
         free_memory()

@@ -93,8 +93,8 @@ class StandInGraphs:
       `self.used_width = 0`;
     - capture() records, for every bucket bs, a function of no arguments that runs `forward` on a ModelInput
       built from the first bs rows of the buffers (a decode-only step: num_decode_seqs=bs, no prefill lists,
-      sample_rows=[], sample_seqs=[]) and copies the result into self.out[:bs]. It runs each function once
-      (a capture runs the forward) and keeps it in `self.graphs[bs]`;
+      no sampled rows: ModelInput(ids, positions, meta)) and copies the result into self.out[:bs]. It runs
+      each function once (a capture runs the forward) and keeps it in `self.graphs[bs]`;
     - replay(inp) loads a decode step with your load_static (6.2), calls the bucket's recorded function, and
       returns self.out[:n], the step's own rows. It must not call `forward` on `inp` itself.
     """
@@ -124,7 +124,7 @@ class StandInGraphs:
                                      decode_block_tables=b["block_tables"][:bs], decode_context_lens=b["context_lens"][:bs],
                                      prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[],
                                      prefill_block_tables=[], block_size=self.block_size)
-            step_inp = ModelInput(b["input_ids"][:bs], b["positions"][:bs], meta, sample_rows=[], sample_seqs=[])
+            step_inp = ModelInput(b["input_ids"][:bs], b["positions"][:bs], meta)
             out = self.out[:bs]
 
             def step(step_inp: ModelInput = step_inp, out: torch.Tensor = out) -> None:

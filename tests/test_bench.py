@@ -5,7 +5,6 @@ No speed assertions."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import random
@@ -273,21 +272,21 @@ def test_single_stream_times_every_linear_and_attention_call_once_per_step():
     step (counted from the model's modules, layer by layer with enforce_eager), or the fused decode step's own
     clocks (its layers run in one C++ call); the parts add up to the profiled step, and the hooks go away."""
     from nanoengine import LLM, SamplingParams
-    from nanoengine.attention import TorchAttention
+    from nanoengine.attention import AttentionBackend
     from nanoengine.bench.step_profile import module_timers, single_stream
     from nanoengine.layers.linear import PackableLinear
 
     for eager in (False, True):
         llm = LLM("tiny-qwen3", num_kvcache_blocks=64, enforce_eager=eager)
-        assert (llm.engine.runner.fused is None) == (eager or llm.config.attention_backend != "cpu")
+        assert (llm.engine.executor.runner.fused is None) == (eager or llm.plan.attention_backend != "cpu")
         r = single_stream(llm, prompt_len=20, output_len=6)
         assert r["prompt_tokens"] == 20 and r["profiled_steps"] == 5 and r["decode_tokens_per_s"] > 0
         assert sum(r["step_ms"].values()) == pytest.approx(r["profiled_step_ms"])
         assert sum(r["step_fraction"].values()) == pytest.approx(1.0)
         assert all(v >= 0 for v in r["step_ms"].values())
         assert r["step_ms"]["linears"] > 0 and r["step_ms"]["attention"] > 0
-    model = llm.engine.runner.model
-    timed = [m for m in model.modules() if isinstance(m, (PackableLinear, TorchAttention))]
+    model = llm.engine.executor.runner.model
+    timed = [m for m in model.modules() if isinstance(m, (PackableLinear, AttentionBackend))]
     with module_timers(model) as totals:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert totals["calls"] == 3 * len(timed)  # one prefill step and two decode steps

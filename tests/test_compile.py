@@ -60,6 +60,6 @@ def test_engine_with_compiled_ops_equals_eager():
     options = dict(dtype="float32", attention_backend="torch", max_num_seqs=4, max_model_len=256)
     eager = LLM("tiny-qwen3", **options).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-qwen3", torch_compile=True, **options)
-    assert llm.config.torch_compile and isinstance(llm.engine.runner.model.norm.kernels, CompiledOps)
+    assert llm.plan.torch_compile and isinstance(llm.engine.executor.runner.model.norm.kernels, CompiledOps)
     compiled = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]

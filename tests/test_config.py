@@ -1,14 +1,17 @@
-"""EngineConfig: engine options are checked when the LLM is built (clear errors, near-miss names), options
-that cannot work here are refused with what would, the attention backend and block size are picked per
-device (flash_attn, then triton on CUDA; triton on CPU only when asked, with the interpreter switched on),
-and resolving for the device picks without compiling (fp16 is never used on CPU)."""
+"""EngineConfig and EnginePlan: engine options are checked when the LLM is built (clear errors, near-miss
+names), options that cannot work here are refused with what would, the attention backend and block size are
+picked per device (flash_attn, then triton on CUDA; triton on CPU only when asked, with the interpreter
+switched on), and resolving for the device picks without compiling (fp16 is never used on CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from plans import plan_of, tiny_hf_config
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.config import EngineConfig
+from nanoengine.plan import DecodeMode
 
 pytestmark = pytest.mark.xdist_group("tiny")
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -32,7 +35,7 @@ def test_fp16_is_never_used_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("CPU-only rule")
     llm = LLM("tiny-qwen3", dtype="float16", num_kvcache_blocks=8)
-    assert llm.config.dtype == "bfloat16"
+    assert llm.plan.dtype == "bfloat16" and llm.config.dtype == "float16"  # as resolved, and as asked
 
 
 @pytest.mark.parametrize("options,match", [
@@ -54,20 +57,19 @@ def test_triton_on_cpu_needs_the_interpreter_switched_on(monkeypatch):
     so (instead of a crash inside triton at the first kernel launch); with it, 'triton' is taken as asked."""
     if torch.cuda.is_available():
         pytest.skip("CPU-only rule")
-    from nanoengine.config import EngineConfig
     from nanoengine.kernels import triton_support
 
     monkeypatch.setattr(triton_support, "installed", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"'triton' cannot run here: on device='cpu'.*TRITON_INTERPRET=1.*'cpu'"):
-        EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+        plan_of(device="cpu", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+    cfg = plan_of(device="cpu", attention_backend="triton")
     assert (cfg.attention_backend, cfg.block_size) == ("triton", 16)
-    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend in ("cpu", "torch")  # never auto
+    assert plan_of(device="cpu").attention_backend in ("cpu", "torch")  # never auto
     monkeypatch.setattr(triton_support, "installed", lambda: False)
     with pytest.raises(ValueError, match=r"triton package is not installed: pip install -c constraints.txt triton"):
-        EngineConfig(device="cpu", attention_backend="triton").resolve(tiny_hf_config())
+        plan_of(device="cpu", attention_backend="triton")
 
 
 @pytest.fixture
@@ -95,15 +97,14 @@ def fake_cuda(monkeypatch):
     ({"dtype": "float32", "attention_backend": "torch"}, (), ("torch", 16)),
 ])
 def test_cuda_picks_flash_attn_then_triton_with_a_block_size_each_can_use(fake_cuda, options, missing, want):
-    from nanoengine.config import EngineConfig
 
     for name in missing:
         fake_cuda[name] = f"{name} is missing"
     if len(missing) == 2:
         with pytest.warns(UserWarning, match=r"neither flash_attn.*nor triton.*using the slower torch"):
-            cfg = EngineConfig(device="cuda", enforce_eager=True, **options).resolve(tiny_hf_config())
+            cfg = plan_of(device="cuda", enforce_eager=True, **options)
     else:
-        cfg = EngineConfig(device="cuda", enforce_eager=True, **options).resolve(tiny_hf_config())
+        cfg = plan_of(device="cuda", enforce_eager=True, **options)
     assert (cfg.attention_backend, cfg.block_size) == want
 
 
@@ -118,12 +119,11 @@ def test_cuda_picks_flash_attn_then_triton_with_a_block_size_each_can_use(fake_c
     ({"attention_backend": "cpu"}, (), r"'cpu' runs on device='cpu' only; on CUDA use 'auto'"),
 ])
 def test_cuda_refuses_a_backend_or_block_size_that_cannot_work(fake_cuda, options, missing, match):
-    from nanoengine.config import EngineConfig
 
     for name in missing:
         fake_cuda[name] = f"{name} is missing"
     with pytest.raises(ValueError, match=match):
-        EngineConfig(device="cuda", **options).resolve(tiny_hf_config())
+        plan_of(device="cuda", **options)
 
 
 @pytest.mark.parametrize("dims,tp,match", [
@@ -139,64 +139,71 @@ def test_tensor_parallel_size_must_divide_heads_kv_heads_and_vocab(dims, tp, mat
     from transformers import Qwen3Config
 
     from nanoengine import assets
-    from nanoengine.config import EngineConfig
 
     hf = Qwen3Config(**{**assets.TINY_QWEN3_DIMS, **dims})
     with pytest.raises(ValueError, match=match):
-        EngineConfig(device="cpu", tensor_parallel_size=tp).resolve(hf)
+        plan_of(hf, device="cpu", tensor_parallel_size=tp)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
 
 
-def tiny_hf_config():
-    from transformers import Qwen3Config
-
-    from nanoengine import assets
-
-    return Qwen3Config(**assets.TINY_QWEN3_DIMS)
 
 
 def test_fused_decode_only_where_it_mirrors_the_forward():
     """Decode steps run the layers in one C++ call on CPU with the cpu backend, and not with enforce_eager, the
     graphs' stand-in, the learner's pieces or tensor parallelism (what FusedDecode does not mirror)."""
-    from nanoengine.config import EngineConfig
 
-    resolved = EngineConfig(device="cpu").resolve(tiny_hf_config())
-    assert resolved.fused_decode is (resolved.attention_backend == "cpu")
+    resolved = plan_of(device="cpu")
+    assert (resolved.decode_mode is DecodeMode.FUSED_CPU) is (resolved.attention_backend == "cpu")
     if resolved.attention_backend != "cpu":
         pytest.skip("the C++ kernels cannot be built here")
     for options in ({"attention_backend": "torch"}, {"graph_stand_in": True}, {"enforce_eager": True},
-                    {"tensor_parallel_size": 2}, {"use_exercises": ["ch05"]}):
-        assert not EngineConfig(device="cpu", **options).resolve(tiny_hf_config()).fused_decode, options
+                    {"tensor_parallel_size": 2}, {"use_exercises": ["ch05"], "exercises_dir": "solutions"}):
+        assert plan_of(device="cpu", **options).decode_mode is not DecodeMode.FUSED_CPU, options
 
 
 def test_resolving_never_compiles(monkeypatch):
     """'auto' asks whether the CPU kernels are built or buildable; it never builds them itself."""
-    from nanoengine.config import EngineConfig
     from nanoengine.kernels import cpu
 
     def no_build():
-        raise AssertionError("EngineConfig.resolve must not load or compile the kernels")
+        raise AssertionError("resolve_plan must not load or compile the kernels")
 
     monkeypatch.setattr(cpu, "load", no_build)
     monkeypatch.setattr(cpu, "build_problem", lambda: None)
-    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend == "cpu"
+    assert plan_of(device="cpu").attention_backend == "cpu"
     monkeypatch.setattr(cpu, "build_problem", lambda: "no C++ compiler ('c++' not found)")
     with pytest.warns(UserWarning, match=r"cannot be built here \(no C\+\+ compiler.*using the slower torch"):
-        assert EngineConfig(device="cpu").resolve(tiny_hf_config()).attention_backend == "torch"
+        assert plan_of(device="cpu").attention_backend == "torch"
     with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be built here.*'torch'"):
-        EngineConfig(device="cpu", attention_backend="cpu").resolve(tiny_hf_config())
+        plan_of(device="cpu", attention_backend="cpu")
 
 
 def test_auto_dtype_on_cpu_follows_the_checkpoint_unless_bf16_is_slow_here(monkeypatch):
     """'auto' keeps a bf16 checkpoint in bf16 where oneDNN has fast bf16 (AVX-512, AMX), else runs float32
     (bf16 matmuls are ~8x slower than float32 on an AVX2-only CPU); an explicit dtype is kept."""
-    from nanoengine.config import EngineConfig
     from nanoengine.layers import linear
 
     cfg = tiny_hf_config()
     cfg.dtype = "bfloat16"
     for fast, want in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(linear, "onednn_bf16_available", lambda fast=fast: fast)
-        assert EngineConfig(device="cpu", attention_backend="torch").resolve(cfg).dtype == want
-        assert EngineConfig(device="cpu", attention_backend="torch", dtype="bfloat16").resolve(cfg).dtype == "bfloat16"
+        assert plan_of(cfg, device="cpu", attention_backend="torch").dtype == want
+        assert plan_of(cfg, device="cpu", attention_backend="torch", dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_the_plan_is_frozen_and_concrete():
+    """Settings apart from the plan: the config keeps what was asked ('auto', None), the plan a concrete value
+    for each (nothing downstream checks for None), and it cannot be changed after it is made."""
+    import dataclasses
+
+    config = EngineConfig(device="cpu")
+    plan = plan_of(device="cpu")
+    assert (config.attention_backend, config.block_size, config.max_model_len) == ("auto", None, None)
+    assert all(getattr(plan, f.name) is not None for f in dataclasses.fields(plan))
+    assert plan.attention_backend in ("cpu", "torch") and plan.block_size == 16 and plan.max_model_len == 4096
+    assert plan.kv_cache.num_blocks >= 1 and isinstance(plan.decode_mode, DecodeMode)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.block_size = 32
+    described = plan.describe()
+    assert described["decode_mode"] == plan.decode_mode.value and "hf_config" not in described

@@ -12,12 +12,14 @@ import random
 
 import pytest
 import torch
+from plans import plan_of
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.graphs import DecodeGraphs, batch_buckets
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.scheduler import ScheduledSeq
 from nanoengine.engine.sequence import Sequence
+from nanoengine.plan import DecodeMode
 
 pytestmark = pytest.mark.xdist_group("tiny")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -98,7 +100,7 @@ def test_stand_in_pads_copies_and_clears_stale_columns():
             if rng.random() < 0.03:  # preempted and re-admitted: an emptied table refilled with other blocks
                 s.block_table[:] = rng.sample(range(500), len(s.block_table))
                 s.num_table_resets += 1
-        inp = builder.build([ScheduledSeq(s, 1, False) for s in batch])
+        inp = builder.build([ScheduledSeq(s, 1, False) for s in batch]).inputs
         assert graphs.can_replay(inp)
         calls.clear()
         out = graphs.replay(inp)
@@ -127,7 +129,7 @@ def test_readmitted_sequence_replays_with_its_new_table():
     b.block_table, b.num_computed_tokens = [1, 2, 3, 4, 5], 17
 
     def step(scheduled, seqs):
-        inp = builder.build(scheduled)
+        inp = builder.build(scheduled).inputs
         assert inp.is_decode_only and graphs.can_replay(inp)
         out = graphs.replay(inp)
         check_static_buffers(graphs, seqs, graphs.bucket_for(len(seqs)), 4)
@@ -149,15 +151,15 @@ def test_out_of_range_steps_run_eagerly():
     for s in seqs:
         s.block_table, s.num_computed_tokens = [1, 2, 3], 8
     builder = InputBuilder(4)
-    assert graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:4]]))
-    assert not graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:5]]))  # > largest bucket
+    assert graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:4]]).inputs)
+    assert not graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:5]]).inputs)  # > largest
     prompt = Sequence(list(range(9)), SamplingParams(), 4)
     prompt.block_table = [4, 5, 6]
-    mixed = builder.build([ScheduledSeq(seqs[0], 1, False), ScheduledSeq(prompt, 9, True)])
+    mixed = builder.build([ScheduledSeq(seqs[0], 1, False), ScheduledSeq(prompt, 9, True)]).inputs
     assert not graphs.can_replay(mixed)  # a prefill chunk in the step
     wide = Sequence(list(range(60)), SamplingParams(), 4)
     wide.block_table, wide.num_computed_tokens = list(range(15)), 59
-    assert not graphs.can_replay(builder.build([ScheduledSeq(wide, 1, False)]))  # wider than max_model_len allows
+    assert not graphs.can_replay(builder.build([ScheduledSeq(wide, 1, False)]).inputs)  # wider than allowed
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -165,21 +167,22 @@ def generate(batches: list[list[str]], params, checked: bool = False, **options)
     """Greedy tokens of each batch in turn on one engine (tiny-qwen3, float32). With `checked`, every replay's
     static buffers are checked against the step's sequences (their true tables, contexts, slots)."""
     llm = LLM("tiny-qwen3", dtype="float32", block_size=4, max_num_seqs=8, max_model_len=256, **options)
-    runner = llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.runner
     if checked:
         step = {}
-        run, load = runner.run, runner.graphs.load
+        build, load = engine.inputs.build, runner.graphs.load
 
-        def run_and_remember(inp):
-            step["seqs"] = list(inp.sample_seqs)  # a decode-only step samples every row, in order
-            return run(inp)
+        def build_and_remember(scheduled):
+            built = build(scheduled)
+            step["seqs"] = list(built.sample_seqs)  # a decode-only step samples every row, in order
+            return built
 
         def load_and_check(inp):
-            bs = load(inp)
-            check_static_buffers(runner.graphs, step["seqs"], bs, llm.config.block_size)
-            return bs
+            bucket = load(inp)
+            check_static_buffers(runner.graphs, step["seqs"], bucket, llm.plan.block_size)
+            return bucket
 
-        runner.run, runner.graphs.load = run_and_remember, load_and_check  # instrumentation of this test only
+        engine.inputs.build, runner.graphs.load = build_and_remember, load_and_check  # this test's instruments
     tokens = []
     for prompts in batches:
         p = params if isinstance(params, SamplingParams) else [params[i % len(params)] for i in range(len(prompts))]
@@ -195,8 +198,8 @@ def test_stand_in_equals_eager_through_growth_and_batch_changes():
     eager, _ = generate(batches, params)
     graphed, llm = generate(batches, params, checked=True, graph_stand_in=True)
     assert graphed == eager
-    assert llm.config.decode_graphs == "stand_in"
-    assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
+    assert llm.plan.decode_mode is DecodeMode.STAND_IN
+    assert set(llm.engine.executor.runner.graphs.replays) == {1, 2, 4, 8}
 
 
 def test_stand_in_equals_eager_through_preemption_and_readmission():
@@ -212,7 +215,7 @@ def test_stand_in_equals_eager_through_preemption_and_readmission():
     preempted = {i for s in steps for i in s.preempted}
     assert len(preempted) >= 2, "the pool was meant to force preemptions"
     assert any(e.seq_id in preempted and e.prefill_tokens for s in steps for e in s.scheduled)  # re-admitted
-    replayed = sum(llm.engine.runner.graphs.replays.values())
+    replayed = sum(llm.engine.executor.runner.graphs.replays.values())
     one_token_each = sum(all(e.prefill_tokens + e.decode_tokens == 1 for e in s.scheduled) for s in steps)
     assert replayed == one_token_each < len(steps)  # steps with a prefill chunk ran eagerly
 
@@ -221,7 +224,7 @@ def test_stand_in_with_the_cpu_kernels_and_padding_rows(cpu_kernels):
     """The C++ decode kernel on padding rows (context 0) writes zeros and reads nothing (batch 3 -> bucket 4)."""
     eager, _ = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu")
     graphed, llm = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu", graph_stand_in=True)
-    assert graphed == eager and 4 in llm.engine.runner.graphs.replays
+    assert graphed == eager and 4 in llm.engine.executor.runner.graphs.replays
 
 
 def replays_on(runner) -> int:
@@ -242,43 +245,35 @@ def test_stand_in_under_tensor_parallelism_equals_eager():
 
 
 def test_graph_options_are_decided_once_in_the_config():
-    from nanoengine.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"graph_stand_in=True runs decode.*enforce_eager=True forbids"):
-        EngineConfig(device="cpu", graph_stand_in=True, enforce_eager=True).resolve(tiny_hf_config())
-    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).decode_graphs is None  # no graphs on CPU
-    assert EngineConfig(device="cpu", graph_stand_in=True).resolve(tiny_hf_config()).decode_graphs == "stand_in"
+        plan_of(device="cpu", graph_stand_in=True, enforce_eager=True)
+    assert plan_of(device="cpu").decode_mode in (DecodeMode.FUSED_CPU, DecodeMode.EAGER)  # no graphs on CPU
+    assert plan_of(device="cpu", graph_stand_in=True).decode_mode is DecodeMode.STAND_IN
     with pytest.raises(ValueError, match=r"torch_compile=True compiles the ops that attention_backend='cpu'"):
-        EngineConfig(device="cpu", attention_backend="cpu", torch_compile=True).resolve(tiny_hf_config())
-    assert EngineConfig(device="cpu").resolve(tiny_hf_config()).torch_compile is False  # slower on CPU
+        plan_of(device="cpu", attention_backend="cpu", torch_compile=True)
+    assert plan_of(device="cpu").torch_compile is False  # slower on CPU
 
 
 def test_graph_options_on_cuda(monkeypatch):
     """On a (pretended) CUDA machine: graphs unless enforce_eager, never with the torch backend (its store syncs
     with the host: eager, with a warning), no stand-in; torch.compile on by default."""
-    from nanoengine.config import EngineConfig
     from nanoengine.kernels import triton_support
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(triton_support, "problem", lambda device: None)
     cuda = dict(device="cuda", dtype="float32", attention_backend="triton")
-    cfg = EngineConfig(**cuda).resolve(tiny_hf_config())
-    assert (cfg.decode_graphs, cfg.torch_compile) == ("cuda", True)
-    assert EngineConfig(**cuda, enforce_eager=True).resolve(tiny_hf_config()).decode_graphs is None
-    assert EngineConfig(**cuda, torch_compile=False).resolve(tiny_hf_config()).torch_compile is False
+    cfg = plan_of(**cuda)
+    assert (cfg.decode_mode, cfg.torch_compile) == (DecodeMode.CUDA_GRAPHS, True)
+    assert plan_of(**cuda, enforce_eager=True).decode_mode is DecodeMode.EAGER
+    assert plan_of(**cuda, torch_compile=False).torch_compile is False
     with pytest.warns(UserWarning, match=r"'torch' cannot run inside a CUDA graph.*decode steps run eagerly"):
-        cfg = EngineConfig(device="cuda", attention_backend="torch").resolve(tiny_hf_config())
-    assert cfg.decode_graphs is None
+        cfg = plan_of(device="cuda", attention_backend="torch")
+    assert cfg.decode_mode is DecodeMode.EAGER
     with pytest.raises(ValueError, match=r"graph_stand_in=True is the CPU stand-in.*on CUDA the engine captures"):
-        EngineConfig(**cuda, graph_stand_in=True).resolve(tiny_hf_config())
+        plan_of(**cuda, graph_stand_in=True)
 
 
-def tiny_hf_config():
-    from transformers import Qwen3Config
-
-    from nanoengine import assets
-
-    return Qwen3Config(**assets.TINY_QWEN3_DIMS)
 
 
 @pytest.mark.gpu
@@ -290,7 +285,7 @@ def test_cuda_graphs_equal_eager_on_cuda(dtype):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 17, 9, 24, 12)]
     eager, _ = generate([PROMPTS], params, enforce_eager=True, torch_compile=False, **options)
     graphed, llm = generate([PROMPTS], params, **options)
-    assert llm.config.decode_graphs == "cuda" and len(llm.engine.runner.graphs.replays) >= 3
+    assert llm.plan.decode_mode is DecodeMode.CUDA_GRAPHS and len(llm.engine.executor.runner.graphs.replays) >= 3
     if dtype == "float32":
         assert graphed == eager
     else:  # bf16: compiled ops round differently; most tokens agree

@@ -39,7 +39,8 @@ def test_rope_theta_and_checkpoint_dtype_both_spellings():
 def test_the_runner_sizes_its_cache_with_it():
     from nanoengine import LLM
 
-    runner = LLM("tiny-qwen3", num_kvcache_blocks=4, block_size=16).engine.runner
-    per_token = hf_config.kv_bytes_per_token(runner.config.hf_config, runner.dtype.itemsize)
-    assert runner.bytes_per_block == 16 * per_token
-    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 4 * runner.bytes_per_block
+    llm = LLM("tiny-qwen3", num_kvcache_blocks=4, block_size=16)
+    runner = llm.engine.executor.runner
+    per_token = hf_config.kv_bytes_per_token(llm.plan.hf_config, runner.dtype.itemsize)
+    assert llm.plan.kv_bytes_per_block == 16 * per_token
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 4 * llm.plan.kv_bytes_per_block

@@ -1,7 +1,8 @@
 """InputBuilder, tested on its own like the scheduler (no model): the flat layout (decodes first, then
-prefill chunks), slots against a by-hand oracle, prefix-cache slots skipped, sampled rows, and the kept
+prefill chunks), slots against a by-hand oracle, prefix-cache slots skipped, sampled rows, the kept
 decode block tables == freshly padded ones through growth, batch changes and a reset (the block manager
-emptying a table on preemption, then refilling it with other blocks)."""
+emptying a table on preemption, then refilling it with other blocks), and the host buffers reused by every
+step (grown only when a step needs more)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_layout_slots_and_sampled_rows():
     tail = seq_with(range(400, 406), [2, 4], computed=2, cached=4)  # after a hit, computing from position 2
     scheduled = [ScheduledSeq(chunk, 6, True), ScheduledSeq(decoding, 1, False), ScheduledSeq(hit, 1, True),
                  ScheduledSeq(tail, 4, True)]
-    inp = InputBuilder(bs).build(scheduled)
+    inp, sample_seqs = InputBuilder(bs).build(scheduled)
     # decodes (one new token) first, in scheduled order, then the prefill chunks
     order = [(decoding, 9, 1), (hit, 8, 1), (chunk, 0, 6), (tail, 2, 4)]
     want_ids = [t for seq, start, n in order for t in seq.token_ids[start:start + n]]
@@ -52,14 +53,14 @@ def test_layout_slots_and_sampled_rows():
     assert meta.prefill_query_starts == [2, 8] and meta.prefill_query_lens == [6, 4]
     assert meta.prefill_context_lens == [6, 6] and [t.tolist() for t in meta.prefill_block_tables] == [[1, 5, 6], [2, 4]]
     # every sequence that reaches its last token is sampled, at its last row; the half-done chunk is not
-    assert inp.sample_rows == [0, 1, 11] and inp.sample_seqs == [decoding, hit, tail]
+    assert inp.sample_rows.tolist() == [0, 1, 11] and sample_seqs == [decoding, hit, tail]
     assert meta.plan is None  # planning is the attention backend's, once per step in the model runner
 
 
 def test_decode_only_batch_is_fixed_width():
     seqs = [seq_with(range(n), list(range(i * 4, i * 4 + -(-n // 4))), computed=n - 1) for i, n in enumerate((3, 9, 5))]
-    inp = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs])
-    assert inp.is_decode_only and inp.sample_rows == [0, 1, 2]
+    inp, _ = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs])
+    assert inp.is_decode_only and inp.sample_rows.tolist() == [0, 1, 2]
     assert inp.attn.decode_block_tables.shape == (3, 3) and inp.attn.slot_mapping.shape == (3,)
 
 
@@ -81,5 +82,34 @@ def test_kept_decode_tables_equal_fresh_ones():
             s.num_table_resets += 1
             s.block_table.extend(rng.randrange(1000) for _ in range(n + rng.randint(0, 2)))
         decodes = [ScheduledSeq(s, 1, False) for s in batch]
-        got = builder.decode_block_tables(decodes)
+        got = builder.build(decodes).inputs.attn.decode_block_tables.numpy()
         assert np.array_equal(got, fresh(decodes)), f"step {step}"
+
+
+def test_host_buffers_are_reused_and_grown_only_when_a_step_needs_more():
+    """Every step writes into the same host buffers (pinned on CUDA, for copies without a host sync): the
+    ModelInput's tensors are views of them, valid until the next build, and a step larger than the buffers
+    grows them once, after which they are reused again."""
+    builder = InputBuilder(4, max_tokens=8, max_seqs=2, max_blocks=2)
+    host = builder.host
+    seqs = [seq_with(range(10 * i, 10 * i + 5), [i, 10 + i], computed=4) for i in range(2)]
+    first, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
+    want_first = first.input_ids.tolist()
+    for s in seqs:  # the next decode step
+        s.token_ids.append(99)
+        s.num_computed_tokens += 1
+    second, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
+    assert builder.host is host  # no new buffers
+    for a, b in ((first.input_ids, second.input_ids), (first.positions, second.positions),
+                 (first.attn.slot_mapping, second.attn.slot_mapping), (first.sample_rows, second.sample_rows),
+                 (first.attn.decode_block_tables, second.attn.decode_block_tables)):
+        assert a.data_ptr() == b.data_ptr() == a.untyped_storage().data_ptr()  # the same memory, step after step
+    assert second.input_ids.tolist() == [99, 99] and want_first == [4, 14]  # the values are this step's own
+    assert second.attn.decode_context_lens.tolist() == [6, 6] and second.positions.tolist() == [5, 5]
+    big = seq_with(range(20), [1, 2, 3, 4, 5], computed=0)  # 20 prompt tokens, 5 blocks: more than they hold
+    inp, _ = builder.build([ScheduledSeq(big, 20, True)])
+    assert builder.host is not host and builder.host.fits(20, 1, 5)
+    assert inp.input_ids.tolist() == list(range(20)) and inp.attn.prefill_block_tables[0].tolist() == [1, 2, 3, 4, 5]
+    grown = builder.host
+    again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
+    assert builder.host is grown and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]

@@ -12,6 +12,7 @@ import nanoengine.attention.torch_backend as torch_backend
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryEmbedding
+from nanoengine.plan import DecodeMode
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -85,7 +86,7 @@ def test_engine_with_cpu_kernels_equals_torch_backend(kernels):
     outs = {}
     for backend in ("torch", "cpu"):
         llm = LLM("tiny-qwen3", attention_backend=backend, max_num_batched_tokens=32, num_kvcache_blocks=64)
-        assert llm.config.attention_backend == backend
+        assert llm.plan.attention_backend == backend
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["cpu"] == outs["torch"]
 
@@ -190,20 +191,20 @@ def test_smollm2_float32_with_bf16_weight_copies_equals_without(kernels, monkeyp
     """smollm2 (a bf16 checkpoint) in float32: greedy tokens with the linears' bf16 weight copies (batches of 1
     and 5 rows decode through the kernel) == the plain float32 matmuls, and the switch is on by default."""
     from nanoengine import LLM, SamplingParams
-    from nanoengine.engine import model_runner
+    from nanoengine import plan as engine_plan
 
     prompts = [[5, 17, 300, 42] * n for n in (1, 7, 15, 3, 30)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = {}
-    for rows in (model_runner.BF16_WEIGHT_MAX_ROWS, 0):
-        monkeypatch.setattr(model_runner, "BF16_WEIGHT_MAX_ROWS", rows)
+    for rows in (engine_plan.BF16_WEIGHT_MAX_ROWS, 0):
+        monkeypatch.setattr(engine_plan, "BF16_WEIGHT_MAX_ROWS", rows)
         llm = LLM("smollm2-135m", dtype="float32", num_kvcache_blocks=64)
-        head = llm.engine.runner.model.lm_head
+        head = llm.engine.executor.runner.model.lm_head
         assert (head.bf16_weight is not None) == bool(rows)
         outs[rows] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         outs[rows, "single"] = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert outs[model_runner.BF16_WEIGHT_MAX_ROWS] == outs[0]
-    assert outs[model_runner.BF16_WEIGHT_MAX_ROWS, "single"] == outs[0, "single"]
+    assert outs[engine_plan.BF16_WEIGHT_MAX_ROWS] == outs[0]
+    assert outs[engine_plan.BF16_WEIGHT_MAX_ROWS, "single"] == outs[0, "single"]
 
 
 def decode_step_input(llm, prompts: list[list[int]]):
@@ -215,12 +216,12 @@ def decode_step_input(llm, prompts: list[list[int]]):
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
     while True:
         out = eng.scheduler.schedule()
-        inp = eng.inputs.build(out.scheduled)
+        inp, sample_seqs = eng.inputs.build(out.scheduled)
         if inp.is_decode_only:
             for rid in rids:
                 eng.abort(rid)
             return inp
-        eng.scheduler.postprocess(out, eng.runner.run(inp))
+        eng.scheduler.postprocess(out, eng.next_tokens(inp, sample_seqs))
 
 
 @pytest.mark.parametrize("model,batch", [("tiny-qwen3", 1), ("tiny-qwen3", 5), ("smollm2-135m", 1),
@@ -233,8 +234,8 @@ def test_fused_decode_step_equals_the_layer_by_layer_forward_bit_for_bit(kernels
     from nanoengine import LLM
 
     llm = LLM(model, dtype="float32", num_kvcache_blocks=64)
-    runner = llm.engine.runner
-    assert llm.config.fused_decode and runner.fused is not None
+    runner = llm.engine.executor.runner
+    assert llm.plan.decode_mode is DecodeMode.FUSED_CPU and runner.fused is not None
     assert (runner.fused.max_rows is None) == (model == "tiny-qwen3")  # tiny-qwen3 is not a bf16 checkpoint
     inp = decode_step_input(llm, [[5 + i, 17, 300, 42] * (3 + 2 * i) for i in range(batch)])
     assert runner.fused.can_run(inp)
@@ -243,7 +244,7 @@ def test_fused_decode_step_equals_the_layer_by_layer_forward_bit_for_bit(kernels
         eager = runner.eager_forward(inp)
         with runner.fused.timed() as times:
             again = runner.fused(inp)
-    assert fused.shape == (batch, llm.config.hf_config.hidden_size)
+    assert fused.shape == (batch, llm.plan.hf_config.hidden_size)
     assert torch.equal(fused, eager) and torch.equal(again, fused)
     assert times["linears"] > 0 and times["attention"] > 0
 
@@ -259,6 +260,7 @@ def test_fused_decode_is_on_where_it_mirrors_the_forward_and_off_with_enforce_ea
     outs = {}
     for eager in (False, True):
         llm = LLM("tiny-qwen3", enforce_eager=eager, max_num_batched_tokens=32, num_kvcache_blocks=64)
-        assert llm.config.fused_decode is (not eager) and (llm.engine.runner.fused is None) is eager
+        fused = llm.plan.decode_mode is DecodeMode.FUSED_CPU
+        assert fused is (not eager) and (llm.engine.executor.runner.fused is None) is eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[False] == outs[True]

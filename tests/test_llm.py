@@ -59,7 +59,7 @@ def test_per_prompt_params_and_length(llm):
 
 
 def test_bad_prompts_add_nothing(llm):
-    too_long = [1] * (llm.config.max_model_len + 1)
+    too_long = [1] * (llm.plan.max_model_len + 1)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["fine", too_long], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="empty prompt"):
@@ -160,7 +160,7 @@ def test_smollm2_bf16_answers_and_stops_on_eos():
     from nanoengine.layers.linear import onednn_bf16_available
 
     llm = LLM("smollm2-135m")  # default dtype from the checkpoint (bf16), or float32 on a CPU without fast bf16
-    assert llm.config.dtype == ("bfloat16" if onednn_bf16_available() else "float32")
+    assert llm.plan.dtype == ("bfloat16" if onednn_bf16_available() else "float32")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text

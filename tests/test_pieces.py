@@ -13,7 +13,7 @@ import pytest
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.errors import ExerciseError, ExerciseNotDoneError, InvalidValueError
-from nanoengine.pieces import CHAPTERS, chapters_of, use_exercises
+from nanoengine.pieces import CHAPTERS, PieceSelection, chapters_of, selected, use_exercises
 from nanoengine.pieces.capstone import capstone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,12 +50,12 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     # the pieces really are in place: the learner's backend, block manager, scheduler and sampler
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.attn_backend.__name__ == "LearnerPromptAttention"
     assert type(llm.engine.block_manager).__name__ == "LearnerBlockManager"
     assert type(llm.engine.scheduler).__name__ == "LearnerScheduler"
-    assert type(runner.sampler).__name__ == "LearnerSampler"
-    assert runner.kv_cache_shape[1] == llm.engine.config.block_size  # chapter 03's blocks-first layout
+    assert type(llm.engine.sampler.sampler).__name__ == "LearnerSampler"
+    assert runner.kv_cache_shape[1] == llm.plan.block_size  # chapter 03's blocks-first layout
 
 
 @pytest.mark.parametrize("chapter", list(CHAPTERS))
@@ -112,14 +112,20 @@ def test_options_are_checked():
     with pytest.raises(InvalidValueError, match="is not a folder"):
         EngineConfig(use_exercises=["ch02"], exercises_dir="/no/such/folder")
     with pytest.raises(InvalidValueError, match="use_exercises is empty"):
-        EngineConfig(exercises_dir=str(SOLUTIONS))
+        EngineConfig(use_exercises=[], exercises_dir=str(SOLUTIONS))
+    with pytest.raises(InvalidValueError, match="use_exercises is empty"):  # and no use_exercises() default
+        LLM("tiny-qwen3", exercises_dir=str(SOLUTIONS))
     with pytest.raises(InvalidValueError, match="attention_backend='triton' cannot be used"):
         LLM("tiny-qwen3", use_exercises=["ch03"], exercises_dir=str(SOLUTIONS), attention_backend="triton")
 
 
 def test_use_exercises_sets_the_default_of_later_engines():
+    """The default is applied where an engine is built (pieces.selected), never read by EngineConfig."""
     with use_exercises(["ch04"], exercises_dir=SOLUTIONS):
-        cfg = EngineConfig()
-        assert cfg.use_exercises == ("ch04",) and cfg.exercises_dir == str(SOLUTIONS)
-        assert EngineConfig(use_exercises=[]).use_exercises == ()  # an engine that says otherwise
-    assert EngineConfig().use_exercises == ()
+        assert EngineConfig().use_exercises is None  # the config keeps what was asked: nothing
+        assert selected(None, None) == PieceSelection(("ch04",), str(SOLUTIONS))
+        assert not selected((), None)  # an engine that says otherwise
+        llm = LLM("tiny-qwen3", dtype="float32", num_kvcache_blocks=8)
+        assert llm.plan.pieces.chapters == ("ch04",)
+        assert type(llm.engine.block_manager).__name__ == "LearnerBlockManager"
+    assert not selected(None, None)

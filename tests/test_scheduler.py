@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence, SequenceStatus
@@ -23,9 +22,8 @@ EOS = 9
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=128, caching=True):
-    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(cfg, bm, eos_token_ids={EOS})
+    return Scheduler(bm, {EOS}, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
 
 
 def seq_of(sched, tokens, **sp):
@@ -276,9 +274,10 @@ def test_finish_and_abort():
     assert sched.block_manager.num_free_blocks == 64
 
 
-def test_scheduler_needs_max_model_len():
-    with pytest.raises(ValueError, match="max_model_len is None"):
-        Scheduler(EngineConfig(), BlockManager(4, 4), {EOS})
+def test_scheduler_takes_its_limits_by_name():
+    """The engine's limits are concrete numbers from its plan, passed by name (no half-resolved config)."""
+    with pytest.raises(TypeError, match="max_model_len"):
+        Scheduler(BlockManager(4, 4), {EOS}, max_num_batched_tokens=8, max_num_seqs=2)
 
 
 # ---------------------------------------------------------------- rule-based random test

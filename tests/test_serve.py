@@ -306,7 +306,7 @@ def test_sigterm_with_a_request_in_flight_exits_within_5_s():
 
 def test_server_in_a_thread_of_this_process():
     """The book's way: the same Server from a background thread, stopped by leaving the with block."""
-    from nanoengine.serve.app import Server
+    from nanoengine.serve.server import Server
 
     server = Server(MODEL, port=0, log_level="warning",
                     engine_options={"dtype": "float32", "num_kvcache_blocks": 64, "max_model_len": 256})

@@ -69,7 +69,7 @@ def test_tp2_equals_tp1_token_for_token(regime):
     one = LLM("tiny-qwen3", **options)
     want = [tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False)) for _ in range(2)]
     with LLM("tiny-qwen3", tensor_parallel_size=2, **options) as two:
-        assert two.engine.runner.num_kv_heads == 1, "each of 2 ranks holds 1 of tiny-qwen3's 2 KV heads"
+        assert two.engine.executor.runner.num_kv_heads == 1, "each of 2 ranks holds 1 of tiny-qwen3's 2 KV heads"
         assert two.engine.block_manager.num_blocks == one.engine.block_manager.num_blocks
         for round in range(2):
             got = tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -232,7 +232,7 @@ def test_a_worker_that_raises_makes_generate_raise_with_its_traceback():
 
 def test_a_worker_killed_mid_run_is_noticed_within_seconds():
     llm = LLM("tiny-qwen3", tensor_parallel_size=2)
-    (worker,) = llm.engine.runner.workers.pids
+    (worker,) = llm.engine.executor.workers.pids
     long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
     killed_at = []
 
@@ -252,7 +252,7 @@ def test_a_worker_killed_mid_run_is_noticed_within_seconds():
 
 def test_a_worker_killed_between_runs_is_noticed_at_the_next_step():
     llm = LLM("tiny-qwen3", tensor_parallel_size=2)
-    (worker,) = llm.engine.runner.workers.pids
+    (worker,) = llm.engine.executor.workers.pids
     os.kill(worker, signal.SIGKILL)
     time.sleep(0.2)
     with pytest.raises(WorkerError, match="was killed by SIGKILL"):
@@ -288,7 +288,7 @@ DRIVER = """
 import os, sys
 from nanoengine import LLM, SamplingParams
 llm = LLM("tiny-qwen3", tensor_parallel_size=2)
-print(*llm.engine.runner.workers.pids, flush=True)
+print(*llm.engine.executor.workers.pids, flush=True)
 if sys.argv[1] == "ctrl-c":
     llm.generate(["a long story"] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
 """
@@ -326,5 +326,5 @@ def test_tp2_over_nccl_equals_tp1():
         pytest.skip("needs two GPUs")
     one = tokens(LLM("tiny-qwen3", dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False))
     with LLM("tiny-qwen3", dtype="float32", tensor_parallel_size=2) as llm:
-        assert llm.config.dist_backend == "nccl"
+        assert llm.plan.dist_backend == "nccl"
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == one

@@ -24,9 +24,9 @@ def run(backend: str, batches: list[list[list[int]]], params: SamplingParams | l
     """Generate each batch of prompts in turn on one engine: (token ids per prompt, StepStats totals).
     `params`: one SamplingParams for all, or one list per batch."""
     llm = LLM("tiny-qwen3", device=DEVICE, dtype="float32", attention_backend=backend, block_size=16, **options)
-    assert llm.config.attention_backend == backend
+    assert llm.plan.attention_backend == backend
     tokens, totals = [], {"hits": 0, "preempted": 0, "max_prefill": 0, "cached_prompts": [],
-                          "graphs": llm.config.decode_graphs}
+                          "graphs": llm.plan.decode_mode.value}
     for i, prompts in enumerate(batches):
         outs = llm.generate(prompts, params[i] if isinstance(params, list) else params, use_tqdm=False)
         tokens += [o.outputs[0].token_ids for o in outs]

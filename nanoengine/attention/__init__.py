@@ -1,39 +1,32 @@
-"""Attention over the paged KV cache. Chapter 03.
+"""Attention over the paged KV cache: backends behind one declared interface. Chapter 03.
 
-A backend is a per-layer module with one interface:
-- `kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)`: its per-layer cache layout;
-- `plan(meta, kv_cache_shape)`, a classmethod the model runner calls once per step, before the forward: what
-  every layer of the step reads (index tensors, masks), returned as an `AttentionPlan` in `meta.plan`;
-- `forward(q, k, v, meta)`: store the new tokens' K/V into the cache (at `slot_mapping`) and attend the new
-  queries over each sequence's cached prefix plus themselves.
-Backends: `torch` (the reference, any device), `cpu` (the C++ decode kernel), `triton` (Triton kernels: CUDA,
-or the interpreter on CPU) and `flash_attn` (CUDA). Faster backends keep the torch backend's interface and are
-tested equal to it; each is imported only when asked for, so triton and flash-attn stay optional. A layer's
-output depends only on its arguments and its cache, which a CUDA graph needs.
+`AttentionBackend` (base.py) is the interface: `kv_cache_shape`, a classmethod `plan(meta, kv_cache_shape)`
+the model runner calls once per step, `forward(q, k, v, meta)` = store the new K/V, then attend, and
+`cuda_graphs`, whether plan and forward can be captured in a CUDA graph. `BACKENDS` maps names to classes:
+- `torch`: the reference, plain PyTorch on any device;
+- `cpu`: the torch backend with decode attention in a C++ kernel that reads K/V in place;
+- `triton`: Triton kernels (CUDA, or the interpreter on CPU);
+- `flash_attn`: FlashAttention-2's paged kernels (CUDA), in its own cache layout.
+Every backend is tested equal to the torch one. triton and flash_attn are imported only when a backend is
+built, so both stay optional.
 """
 
+from nanoengine.attention.base import AttentionBackend
+from nanoengine.attention.cpu_backend import CPUAttention
+from nanoengine.attention.flash_attn_backend import FlashAttnAttention
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
 from nanoengine.attention.torch_backend import TorchAttention
+from nanoengine.attention.triton_backend import TritonAttention
 
-__all__ = ["AttentionMetadata", "AttentionPlan", "TorchAttention", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionPlan", "BACKENDS", "TorchAttention",
+           "get_backend"]
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    cls.name: cls for cls in (TorchAttention, CPUAttention, TritonAttention, FlashAttnAttention)}
 
 
-def get_backend(name: str | type[TorchAttention]) -> type[TorchAttention]:
-    """The backend class of a name; a backend class is its own answer (the learner's pieces, chapter 03)."""
-    if isinstance(name, type):
-        return name
-    if name == "torch":
-        return TorchAttention
-    if name == "cpu":
-        from nanoengine.attention.cpu_backend import CPUAttention
-
-        return CPUAttention
-    if name == "triton":
-        from nanoengine.attention.triton_backend import TritonAttention
-
-        return TritonAttention
-    if name == "flash_attn":
-        from nanoengine.attention.flash_attn_backend import FlashAttnAttention
-
-        return FlashAttnAttention
-    raise ValueError(f"attention backend {name!r} does not exist; use 'torch', 'cpu', 'triton' or 'flash_attn'")
+def get_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered under `name`."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} does not exist; use one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]

@@ -18,6 +18,9 @@ from nanoengine.kernels import cpu as cpu_kernels
 
 
 class CPUAttention(TorchAttention):
+    """The torch backend with its decode step replaced (a variant of it, as the learner's pieces are)."""
+    name = "cpu"
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernels = cpu_kernels.load()

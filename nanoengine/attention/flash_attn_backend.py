@@ -25,8 +25,9 @@ from functools import cache
 
 import torch
 
+from nanoengine.attention.base import AttentionBackend
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
-from nanoengine.attention.torch_backend import TorchAttention
+from nanoengine.attention.torch_backend import prompts_without_cache
 
 
 @cache
@@ -60,7 +61,10 @@ def heads_first(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3)
 
 
-class FlashAttnAttention(TorchAttention):
+class FlashAttnAttention(AttentionBackend):
+    name = "flash_attn"
+    cuda_graphs = True  # plan converts device tensors on the device; the prefill's cumulative lengths come
+    # from host lists, but a graph only records decode steps
     kv_cache_shape = staticmethod(kv_cache_shape)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -91,8 +95,8 @@ class FlashAttnAttention(TorchAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        if not self.k_cache.numel():  # no cache (profiling / tests): the torch backend's prompt-only path
-            return super().forward(q, k, v, meta)
+        if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
+            return prompts_without_cache(q, k, v, meta, self.scale)
         p = meta.plan if isinstance(meta.plan, FlashAttnPlan) else self.plan(meta, self.k_cache.shape)
         self.store_kv(k, v, heads_first(self.k_cache), heads_first(self.v_cache), meta.slot_mapping)
         nd = meta.num_decode_seqs

@@ -7,6 +7,7 @@ new tokens each, possibly after a cached prefix). Token i of the flat batch belo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,3 +33,13 @@ class AttentionMetadata:
     # set by the model runner once per step (backend.plan); metadata built by hand (tests, the book) may
     # leave it None, and each layer then plans for itself
     plan: AttentionPlan | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionMetadata:
+        """The metadata with its tensors on `device` (its plan is made there, per step)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return dataclasses.replace(self, slot_mapping=move(self.slot_mapping),
+                                   decode_block_tables=move(self.decode_block_tables),
+                                   decode_context_lens=move(self.decode_context_lens),
+                                   prefill_block_tables=[move(t) for t in self.prefill_block_tables], plan=None)

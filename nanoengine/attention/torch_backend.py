@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoengine.attention.base import AttentionBackend
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
 
 
@@ -148,13 +149,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
-class TorchAttention(torch.nn.Module):
-    kv_cache_shape = staticmethod(kv_cache_shape)
+def prompts_without_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """Causal attention of each prompt over its own new tokens, for a forward with no KV cache bound (the
+    warm-up forward that measures peak memory, tests): any backend's answer there."""
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    for start, q_len in zip(meta.prefill_query_starts, meta.prefill_query_lens):
+        s = slice(start, start + q_len)
+        out[s] = prefill_attention(q[s], k[s].transpose(0, 1), v[s].transpose(0, 1), scale)
+    return out
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
+
+class TorchAttention(AttentionBackend):
+    """The reference backend: plain PyTorch on any device. Its forward is four steps, one method each
+    (`store`, `decode`, `prompt_attention`, `prefix_attention`), so that a variant of it (the CPU kernels'
+    decode, the learner's pieces in nanoengine.pieces) replaces just the ones it does differently."""
+    name = "torch"
+    cuda_graphs = False  # the store decides on the host which slots to skip (store_index)
+    kv_cache_shape = staticmethod(kv_cache_shape)
 
     @classmethod
     def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
@@ -189,8 +201,7 @@ class TorchAttention(torch.nn.Module):
                 out[s] = self.prefix_attention(q[s], table, ctx)
         return out
 
-    # The steps of `forward`, one method each, so that a backend (the CPU kernels, the learner's pieces in
-    # nanoengine.pieces) replaces just the ones it does differently.
+    # the steps of `forward`
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> None:
         """Write the new tokens' K/V [num_tokens, num_kv_heads, head_dim] at their slots (-1: skip)."""
         write_kv(k, v, self.k_cache, self.v_cache, plan.store_tokens, plan.store_rows)

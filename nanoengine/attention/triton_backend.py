@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoengine.attention.base import AttentionBackend
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
-from nanoengine.attention.torch_backend import TorchAttention
+from nanoengine.attention.torch_backend import kv_cache_shape, prompts_without_cache
 
 
 @dataclass
@@ -41,7 +42,11 @@ def padded_tables(tables: list[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device)
 
 
-class TritonAttention(TorchAttention):
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    cuda_graphs = True  # plan reads only shapes and host lists; the kernels take device tensors
+    kv_cache_shape = staticmethod(kv_cache_shape)  # the torch backend's layout
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         from nanoengine.kernels import triton_decode, triton_prefill, triton_store, triton_support
@@ -78,8 +83,8 @@ class TritonAttention(TorchAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        if not self.k_cache.numel():  # no cache (profiling / tests): the torch backend's prompt-only path
-            return super().forward(q, k, v, meta)
+        if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
+            return prompts_without_cache(q, k, v, meta, self.scale)
         p = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, self.k_cache.shape)
         self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]

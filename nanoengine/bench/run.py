@@ -13,7 +13,6 @@ one shared generator), so a run on the same machine and schedule is reproducible
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import resource
 import sys
@@ -33,7 +32,6 @@ from nanoengine.bench.report import report, write_json
 from nanoengine.bench.roofline import ModelShape, roofline, shape_dict, workload_cost
 from nanoengine.bench.step_profile import single_stream
 from nanoengine.bench.workload import Workload, make_workload, poisson_arrivals
-from nanoengine.engine.model_runner import bf16_weight_rows
 
 
 def _params(wl: Workload) -> list[SamplingParams]:
@@ -119,10 +117,6 @@ def peak_memory(device: str) -> dict[str, Any]:
     return {"mib": kib / 1024, "what": "process peak RSS (ru_maxrss): the whole process, not just the KV cache"}
 
 
-def engine_options_dict(cfg: Any) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "hf_config"}
-
-
 def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-small", num_requests: int | None = None,
           *, online: bool = False, request_rate: float | None = None, peers: list[str] | None = None,
           peer_batches: list[int] | None = None, threads: int | None = None,
@@ -152,15 +146,15 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
     if isinstance(workload, str):
         make_workload(workload, num_requests)  # a bad name or count fails before the model loads
     llm = LLM(model, **opts)
-    cfg = llm.config
+    plan = llm.plan
     if isinstance(workload, Workload):
         wl = workload.head(num_requests) if num_requests else workload
-        vocab = cfg.hf_config.vocab_size
+        vocab = plan.hf_config.vocab_size
         if max(max(p) for p in wl.prompts) >= vocab:
             raise ValueError(f"workload {wl.name!r} has token ids >= the model's vocabulary size {vocab}")
     else:
-        wl = make_workload(workload, num_requests, vocab_size=cfg.hf_config.vocab_size, seed=seed)
-    device = cfg.device
+        wl = make_workload(workload, num_requests, vocab_size=plan.hf_config.vocab_size, seed=seed)
+    device = plan.device
     if wl.name == "nano-vllm" and device == "cpu":
         print("nanoengine bench: warning: the nano-vllm workload (256 requests up to 2048 tokens) takes hours on "
               "a CPU; try --workload cpu-small", file=sys.stderr)
@@ -170,17 +164,17 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         "model": str(model), "model_path": str(llm.engine.model_path), "workload": wl.name,
         "workload_spec": wl.spec, "num_requests": len(wl), "prompt_tokens": wl.num_prompt_tokens,
         "output_tokens": wl.num_output_tokens, "online": online, "request_rate": request_rate,
-        "sampling": f"temperature {wl.temperature}, ignore_eos, seeded by the engine seed {cfg.seed}",
-        "dtype": cfg.dtype, "engine_options": engine_options_dict(cfg), "hardware": hardware.describe(device)}
-    result["ceilings"] = hardware.measure(cfg.torch_dtype, device)
+        "sampling": f"temperature {wl.temperature}, ignore_eos, seeded by the engine seed {plan.seed}",
+        "dtype": plan.dtype, "engine_options": opts, "plan": plan.describe(), "hardware": hardware.describe(device)}
+    result["ceilings"] = hardware.measure(plan.torch_dtype, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     eng = run_online(llm, wl, request_rate, seed, quiet) if online else run_engine(llm, wl, quiet)
     result["nanoengine"] = eng
     result["peak_memory"] = peak_memory(device)
     # decode steps stream the linears' bf16 copies where the engine keeps them (a bf16 checkpoint in float32 on CPU)
-    weight_bytes = 2 if bf16_weight_rows(cfg) else None
-    shape = ModelShape.from_hf_config(cfg.hf_config, cfg.torch_dtype.itemsize, weight_bytes)
+    weight_bytes = 2 if plan.bf16_weight_rows else None
+    shape = ModelShape.from_hf_config(plan.hf_config, plan.torch_dtype.itemsize, weight_bytes)
     cost = workload_cost(shape, wl.prompt_lens, wl.output_lens, eng["steps"]["num_steps"], eng["cached_tokens"])
     result["model_shape"] = shape_dict(shape)
     result["cost"] = cost
@@ -207,7 +201,7 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         result["peers"] = [{"peer": p, "name": p if p != "hf" else "transformers",
                             "skipped": "online mode: peers run offline only"} for p in peers]
     else:
-        result["peers"] = run_peers(peers, model_path, wl, peer_batches, cfg.torch_dtype, device, seed, quiet)
+        result["peers"] = run_peers(peers, model_path, wl, peer_batches, plan.torch_dtype, device, seed, quiet)
     for p in result["peers"]:
         if p.get("output_tokens_per_s"):
             p["speedup"] = eng["output_tokens_per_s"] / p["output_tokens_per_s"]

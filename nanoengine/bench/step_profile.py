@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.attention import TorchAttention
+from nanoengine.attention import AttentionBackend
 from nanoengine.layers.linear import PackableLinear
 
 PARTS = ("linears", "attention", "other", "host")
@@ -40,7 +40,7 @@ def module_timers(model: nn.Module):
     handles = []
     for module in model.modules():
         kind = ("linears" if isinstance(module, PackableLinear)
-                else "attention" if isinstance(module, TorchAttention) else None)
+                else "attention" if isinstance(module, AttentionBackend) else None)
         if kind is None:
             continue
 
@@ -81,14 +81,14 @@ def _decode_run(llm: LLM, prompt: list[int], output_len: int) -> tuple[Any, list
 
 def single_stream(llm: LLM, prompt_len: int = 256, output_len: int = 64, seed: int = 0) -> dict[str, Any]:
     """Decode tokens/s of one stream and the per-step split (ms) of its decode steps (see the module docstring)."""
-    cfg = llm.config
-    prompt_len = max(1, min(prompt_len, cfg.max_model_len - output_len - 1))
+    plan = llm.plan
+    prompt_len = max(1, min(prompt_len, plan.max_model_len - output_len - 1))
     rng = random.Random(seed)
-    prompt = [rng.randrange(min(cfg.hf_config.vocab_size, 10_001)) for _ in range(prompt_len)]
+    prompt = [rng.randrange(min(plan.hf_config.vocab_size, 10_001)) for _ in range(prompt_len)]
     out, _ = _decode_run(llm, prompt, output_len)
     m = out.metrics
     tpot = (m.finished_time - m.first_token_time) / max(1, output_len - 1)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner  # rank 0's
     with module_timers(runner.model) as totals, fused_timers(runner) as fused:
         _, steps = _decode_run(llm, prompt, output_len)
     for part in ("linears", "attention"):

@@ -1,11 +1,12 @@
 """The worker processes of a tensor-parallel engine, seen from rank 0: start them, send each step, notice
 when one fails, and stop them. Chapter 07.
 
-Rank 0 is the user's process: it schedules, builds the inputs and samples. `Workers` spawns ranks 1..N-1, each
-running `worker_main`: join the process group, build its ModelRunner (its shard of the model and KV cache),
-then run whatever rank 0 sends, in the same order. A step is sent once per worker, pickled whole, over a pipe
-(no size limit, no shared-memory names to clash), and every rank then runs it in lockstep: the all-reduces
-inside the forward keep them together.
+Rank 0 is the user's process: it schedules, builds the inputs and samples (`distributed/executor.py` drives
+the ranks). `Workers` spawns ranks 1..N-1, each running `worker_main`: join the process group, assemble the
+same parts from the plan it is sent (the learner's pieces included), build its ModelRunner (its shard of the
+model and KV cache), then run whatever rank 0 sends, in the same order. A step is sent once per worker,
+pickled whole, over a pipe (no size limit, no shared-memory names to clash), and every rank then runs it in
+lockstep: the all-reduces inside the forward keep them together.
 
 Failure is loud and quick:
 - a worker that raises sends its traceback and exits; rank 0's next collective fails at once (the peer's
@@ -31,13 +32,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT, init_process_group
+from nanoengine.engine.executor import call_on
+from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.engine.parts import assemble
 
 HOST = "127.0.0.1"  # every rank on this machine (see the README for spanning machines)
 SHUTDOWN = "shutdown"
@@ -48,21 +51,17 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker raised, exited or was killed; the message carries its traceback or its end."""
 
 
-def call_on(runner: Any, method: str | Callable, args: tuple) -> Any:
-    """runner.method(*args), or method(runner, *args) for a function (how `collective_rpc` runs code)."""
-    return method(runner, *args) if callable(method) else getattr(runner, method)(*args)
-
-
-def to_device(obj: Any, device: torch.device | str) -> Any:
-    """obj with every tensor in it (inside lists, tuples, dicts and dataclasses) moved to device."""
+def to_device(obj: Any, device: torch.device | str, copy: bool = False) -> Any:
+    """obj with every tensor in it (inside lists, tuples, dicts and dataclasses) moved to device; copy=True
+    copies even a tensor already there (a view pickles its whole storage; its copy only its own elements)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, copy=copy)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(x, device) for x in obj)
+        return type(obj)(to_device(x, device, copy) for x in obj)
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device, copy) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device, copy)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 
@@ -117,17 +116,17 @@ def stop(procs: list, conns: list[Connection], threads: int) -> None:
 
 
 class Workers:
-    """Ranks 1..N-1 of a tensor-parallel engine, started by rank 0's ModelRunner."""
+    """Ranks 1..N-1 of a tensor-parallel engine, started by rank 0 (which joins the group here too)."""
 
-    def __init__(self, config: Any, model_path: Path) -> None:
+    def __init__(self, plan: Any) -> None:
         if dist.is_initialized():  # before spawning anything (init_process_group checks again)
             raise RuntimeError(ALREADY_IN_A_GROUP)
-        self.size = config.tensor_parallel_size
+        self.size = plan.tensor_parallel_size
         self.error: str | None = None  # why the group broke, once it has
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         threads_before = torch.get_num_threads()
-        threads = max(1, threads_before // self.size) if config.device == "cpu" else threads_before
+        threads = max(1, threads_before // self.size) if plan.device == "cpu" else threads_before
         # the finalizer holds the lists, not self: it runs on close(), garbage collection or interpreter exit
         self._finalizer = weakref.finalize(self, stop, self.procs, self.conns, threads_before)
         torch.set_num_threads(threads)  # on CPU the ranks share the cores
@@ -137,7 +136,7 @@ class Workers:
         for rank in range(1, self.size):
             here, there = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"nanoengine-tp-rank{rank}", daemon=True,
-                               args=(config, str(model_path), rank, self.store.port, there, threads))
+                               args=(plan, rank, self.store.port, there, threads))
             proc.start()
             there.close()
             self.procs.append(proc)
@@ -145,7 +144,7 @@ class Workers:
         try:
             for i in range(len(self.procs)):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
-            init_process_group(config.dist_backend, HOST, self.store.port, 0, self.size, self.store)
+            self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size, self.store)
         except BaseException:
             self.close()
             raise
@@ -161,7 +160,7 @@ class Workers:
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
         """Send one call to every worker (tensors travel by value, through host memory)."""
         self.check()
-        data = pickle.dumps((method, to_device(args, "cpu"), reply), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((method, to_device(args, "cpu", copy=True), reply), protocol=pickle.HIGHEST_PROTOCOL)
         for i, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
@@ -213,7 +212,7 @@ class Workers:
 
     @contextmanager
     def lockstep(self) -> Iterator[None]:
-        """Wrap code every rank runs together (see ModelRunner.lockstep). Any failure inside breaks the group:
+        """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the group:
         a collective fails when a peer died or raised (then the peer's own error is what we raise), and if
         rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
         with sigint_held():
@@ -241,16 +240,14 @@ class Workers:
         return None
 
 
-def worker_main(config: Any, model_path: str, rank: int, port: int, conn: Connection, threads: int) -> None:
+def worker_main(plan: Any, rank: int, port: int, conn: Connection, threads: int) -> None:
     """A worker process: join the group, build this rank's ModelRunner, then serve rank 0's calls in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us cleanly
     try:
         torch.set_num_threads(threads)
         conn.send_bytes(pickle.dumps(("hello", rank)))
-        init_process_group(config.dist_backend, HOST, port, rank, config.tensor_parallel_size)
-        from nanoengine.engine.model_runner import ModelRunner
-
-        runner = ModelRunner(config, Path(model_path), rank)
+        group = init_process_group(plan.dist_backend, HOST, port, rank, plan.tensor_parallel_size)
+        runner = ModelRunner(plan, assemble(plan), group)
         while True:
             try:
                 method, args, reply = pickle.loads(conn.recv_bytes())

@@ -122,19 +122,20 @@ class DecodeGraphs:
     def capture(self, buckets: list[int] | None = None) -> None:
         """Capture a graph per bucket (all of them by default), largest first, so that the smaller ones
         reuse the pool memory the largest one took."""
-        for bs in sorted(buckets or self.buckets, reverse=True):
+        for bucket in sorted(buckets or self.buckets, reverse=True):
             graph = GRAPH_KINDS[self.kind](self.pool)
-            graph.capture(self._step_fn(bs))
-            self.graphs[bs] = graph
+            graph.capture(self._step_fn(bucket))
+            self.graphs[bucket] = graph
 
-    def _step_fn(self, bs: int) -> Callable[[], None]:
-        """The forward over the first `bs` rows of the static buffers, writing the static output."""
-        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:bs], num_decode_seqs=bs,
-                                 decode_block_tables=self.block_tables[:bs], decode_context_lens=self.context_lens[:bs],
-                                 prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[],
-                                 prefill_block_tables=[], block_size=self.block_size)
-        inp = ModelInput(self.input_ids[:bs], self.positions[:bs], meta, sample_rows=[], sample_seqs=[])
-        out = self.hidden[:bs]  # [bs, hidden]
+    def _step_fn(self, bucket: int) -> Callable[[], None]:
+        """The forward over the first `bucket` rows of the static buffers, writing the static output."""
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:bucket], num_decode_seqs=bucket,
+                                 decode_block_tables=self.block_tables[:bucket],
+                                 decode_context_lens=self.context_lens[:bucket], prefill_query_starts=[],
+                                 prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+                                 block_size=self.block_size)
+        inp = ModelInput(self.input_ids[:bucket], self.positions[:bucket], meta)
+        out = self.hidden[:bucket]  # [bucket, hidden]
 
         def step() -> None:
             out.copy_(self.forward(inp))
@@ -152,7 +153,7 @@ class DecodeGraphs:
     def load(self, inp: ModelInput) -> int:
         """Copy a decode step into the static buffers, padded up to its bucket; return the bucket."""
         n = inp.num_tokens
-        bs = self.bucket_for(n)
+        bucket = self.bucket_for(n)
         meta = inp.attn
         width = meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(inp.input_ids)
@@ -161,21 +162,21 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.block_tables[:n, :width].copy_(meta.decode_block_tables)
         # padding rows: token 0 at position 0, stored nowhere, attending over nothing, reading block 0 only
-        self.input_ids[n:bs].zero_()
-        self.positions[n:bs].zero_()
-        self.slot_mapping[n:bs].fill_(-1)
-        self.context_lens[n:bs].zero_()
-        self.block_tables[n:bs, :width].zero_()
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        self.slot_mapping[n:bucket].fill_(-1)
+        self.context_lens[n:bucket].zero_()
+        self.block_tables[n:bucket, :width].zero_()
         if self.used_width > width:  # stale columns of a wider table, in every row (a later bucket reads them)
             self.block_tables[:, width:self.used_width].zero_()
         self.used_width = width
-        return bs
+        return bucket
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
         """Run a decode step (`can_replay(inp)` must hold) by replay: hidden states [num_tokens, hidden], a
         view of the static output that the next replay overwrites."""
-        bs = self.load(inp)
-        self.graphs[bs].replay()
-        self.replays[bs] += 1
+        bucket = self.load(inp)
+        self.graphs[bucket].replay()
+        self.replays[bucket] += 1
         return self.hidden[:inp.num_tokens]

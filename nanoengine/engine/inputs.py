@@ -7,19 +7,22 @@ out in four phases, named as in nano-vllm:
 - block tables: the decodes' tables, padded into one [num_decodes, max_blocks] array;
 - sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token.
 Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
-already holds its K/V.
+already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
+the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
 
-Plain Python and numpy over Sequences, then one tensor per field: no model, so it is tested on its own.
-A decode-only `ModelInput` is all fixed-width tensors (ids, positions, slots, context lengths [B]; block
-tables [B, W]), which a CUDA-graph runner copies into its padded static buffers as they are.
+Plain Python and numpy over Sequences, written into host buffers allocated once and reused by every step
+(pinned on CUDA, so the copies to the device are asynchronous: `non_blocking=True`, no host sync; a step waits
+for the previous step's copies out of the buffers before it overwrites them). On CPU the ModelInput's tensors
+are views of those buffers, valid until the next `build`. A decode-only `ModelInput` is all fixed-width
+tensors (ids, positions, slots, context lengths [B]; block tables [B, W]), which a CUDA-graph runner copies
+into its padded static buffers as they are. No model: it is tested on its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,45 +31,102 @@ from nanoengine.attention import AttentionMetadata
 from nanoengine.engine.sequence import Sequence
 
 
+def no_rows() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class ModelInput:
-    """One step's inputs to the model and the sampler."""
+    """One step's inputs to the model, on every rank: tensors and plain numbers only."""
     input_ids: torch.Tensor  # [num_tokens] int64, decodes first, then prefill chunks
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    sample_rows: list[int]  # rows of the flat batch whose logits are sampled (a sequence's last token)
-    sample_seqs: list[Sequence]  # the sequence of each sampled row
+    sample_rows: torch.Tensor = field(default_factory=no_rows)  # [num_sampled] int64: rows whose logits are
+    # sampled (each a sequence's last token), increasing
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     @property
+    def num_sampled(self) -> int:
+        return self.sample_rows.shape[0]
+
+    @property
     def is_decode_only(self) -> bool:
         """Every row is one sequence's single new token (the steps a CUDA graph replays)."""
         return self.attn.num_decode_seqs == self.num_tokens
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
+        """The same step with its tensors on `device` (itself when they are there already)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
+                          self.positions.to(device, non_blocking=non_blocking), self.attn.to(device, non_blocking),
+                          self.sample_rows.to(device, non_blocking=non_blocking))
+
+
+class BuiltStep(NamedTuple):
+    inputs: ModelInput
+    sample_seqs: list[Sequence]  # the sequence of each sampled row
 
 
 MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]  # (scheduled, block_size) -> the batch's metadata
 
 
+class HostBuffers:
+    """The host memory a step's inputs are written into, allocated once (pinned for a CUDA device) and grown
+    only when a step needs more: numpy views to fill, torch views to hand out (the same memory)."""
+
+    def __init__(self, tokens: int, seqs: int, blocks: int, pin: bool) -> None:
+        self.tokens, self.seqs, self.blocks, self.pin = tokens, seqs, blocks, pin
+
+        def alloc(*shape: int) -> tuple[torch.Tensor, np.ndarray]:
+            t = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+            return t, t.numpy()
+
+        self.ids_t, self.ids = alloc(tokens)
+        self.positions_t, self.positions = alloc(tokens)
+        self.slots_t, self.slots = alloc(tokens)
+        self.sample_rows_t, self.sample_rows = alloc(seqs)
+        self.context_lens_t, self.context_lens = alloc(seqs)
+        self.decode_tables_t, self.decode_tables = alloc(seqs, blocks)  # padded with 0
+        self.prefill_tables_t, self.prefill_tables = alloc(seqs, blocks)
+
+    def fits(self, tokens: int, seqs: int, blocks: int) -> bool:
+        return tokens <= self.tokens and seqs <= self.seqs and blocks <= self.blocks
+
+    def grown(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
+        """Larger buffers (at least double what is short), for a step these do not fit."""
+        def size(have: int, need: int) -> int:
+            return have if need <= have else max(need, 2 * have)
+
+        return HostBuffers(size(self.tokens, tokens), size(self.seqs, seqs), size(self.blocks, blocks), self.pin)
+
+
 class InputBuilder:
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
-                 attention_metadata: MetadataBuilder | None = None) -> None:
+                 attention_metadata: MetadataBuilder | None = None, max_tokens: int = 256, max_seqs: int = 16,
+                 max_blocks: int = 16) -> None:
         """`attention_metadata`: a function that lays out a batch's AttentionMetadata (the learner's exercises
-        3.1 and 3.2, plugged in by nanoengine.pieces); None: the engine's own, below."""
+        3.1 and 3.2, plugged in by nanoengine.engine.parts); None: the engine's own, below. The max_* size the
+        host buffers up front (the engine passes its limits), which grow if a step needs more."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.attention_metadata = attention_metadata
+        on_cuda = self.device.type == "cuda"
+        self.host = HostBuffers(max_tokens, max_seqs, max_blocks, pin=on_cuda)
+        self.copied = torch.cuda.Event() if on_cuda else None  # the last step's copies out of self.host
         self.reset()
 
     def reset(self) -> None:
         """Forget the kept decode block tables (see `decode_block_tables`)."""
-        self._decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences, their padded tables
+        self._decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences, their table lengths
         self._decode_lens: list[int] = []
-        self._decode_tables = np.zeros((0, 0), dtype=np.int64)
+        self._dirty = (0, 0)  # rows and columns of host.decode_tables that may hold a block id
 
-    def build(self, scheduled: list[Any]) -> ModelInput:
+    def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -75,7 +135,7 @@ class InputBuilder:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        bs = self.block_size
+        block_size = self.block_size
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
         for s in decodes:
@@ -83,76 +143,99 @@ class InputBuilder:
             pos = seq.num_computed_tokens
             ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(-1 if pos < seq.num_cached_tokens else seq.block_table[pos // bs] * bs + pos % bs)
+            slots.append(-1 if pos < seq.num_cached_tokens
+                         else seq.block_table[pos // block_size] * block_size + pos % block_size)
             if pos + 1 == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
         # prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix
-        starts, qlens, ctxs, tables = [], [], [], []
+        starts, qlens, ctxs = [], [], []
         for s in prefills:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             starts.append(len(ids))
             qlens.append(n)
             ctxs.append(start + n)
-            tables.append(torch.tensor(seq.block_table, dtype=torch.int64, device=self.device))
             table = seq.block_table
             for pos in range(start, start + n):
                 ids.append(seq.token_ids[pos])
                 positions.append(pos)
                 # a token whose K/V already sits in a shared prefix-cache block is not written again
-                slots.append(-1 if pos < seq.num_cached_tokens else table[pos // bs] * bs + pos % bs)
+                slots.append(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
+                             + pos % block_size)
             if start + n == seq.num_tokens:  # the chunk reaches the end: this sequence gets a new token
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
-        dev = self.device
+        host = self.host_buffers(len(ids), len(scheduled),
+                                 max((len(s.seq.block_table) for s in scheduled), default=0))
+        n = len(ids)
+        host.ids[:n] = ids
+        host.positions[:n] = positions
+        host.sample_rows[:len(sample_rows)] = sample_rows
+        rows = host.sample_rows_t[:len(sample_rows)]
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
-            meta = to_device(self.attention_metadata(decodes + prefills, bs), dev)
-            return ModelInput(torch.tensor(ids, dtype=torch.int64, device=dev),
-                              torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows, sample_seqs)
+            meta = self.attention_metadata(decodes + prefills, block_size)
+            return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)),
+                             sample_seqs)
 
+        host.slots[:n] = slots
         # block tables of the decodes, and their context lengths (the new token included)
+        nd = len(decodes)
         if decodes:
-            dtables = torch.from_numpy(self.decode_block_tables(decodes)).to(dev)
-            dctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int64, device=dev)
+            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(decodes)]
+            host.context_lens[:nd] = [s.seq.num_computed_tokens + 1 for s in decodes]
+            dctx = host.context_lens_t[:nd]
         else:
             dtables = dctx = None
+        ptables = []
+        for i, s in enumerate(prefills):
+            table = s.seq.block_table
+            host.prefill_tables[i, :len(table)] = table
+            ptables.append(host.prefill_tables_t[i, :len(table)])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_seqs=len(decodes), decode_block_tables=dtables, decode_context_lens=dctx,
-            prefill_query_starts=starts, prefill_query_lens=qlens, prefill_context_lens=ctxs,
-            prefill_block_tables=tables, block_size=bs)
-        return ModelInput(torch.tensor(ids, dtype=torch.int64, device=dev),
-                          torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows, sample_seqs)
+            slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
+            decode_context_lens=dctx, prefill_query_starts=starts, prefill_query_lens=qlens,
+            prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
+        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)), sample_seqs)
 
-    def decode_block_tables(self, decodes: list[Any]) -> np.ndarray:
-        """Padded [num_decodes, max_blocks] block tables. Consecutive steps mostly decode the same sequences,
-        and a table only grows (by one block every block_size tokens) until the block manager empties it
-        (preemption, counted in seq.num_table_resets), so the array of the last step is kept and only the
-        rows whose table grew are rewritten (at batch 256: 0.05 ms instead of 0.25 ms for a fresh
-        numpy fill, or 1.9 ms for torch.tensor on nested lists)."""
+    def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
+        """The host buffers, free to overwrite (the last step's copies out of them are done) and large enough
+        for this step."""
+        if self.copied is not None and not self.copied.query():
+            self.copied.synchronize()  # only if the device has not yet read the last step's inputs
+        if not self.host.fits(tokens, seqs, blocks):
+            self.host = self.host.grown(tokens, seqs, blocks)
+            self.reset()
+        return self.host
+
+    def to_device(self, inp: ModelInput) -> ModelInput:
+        if self.copied is None:
+            return inp.to(self.device)
+        inp = inp.to(self.device, non_blocking=True)
+        self.copied.record()
+        return inp
+
+    def decode_block_tables(self, decodes: list[Any]) -> int:
+        """Fill host.decode_tables[:num_decodes] with the decodes' block tables, padded with 0; return the
+        width (the longest table). Consecutive steps mostly decode the same sequences, and a table only grows
+        (by one block every block_size tokens) until the block manager empties it (preemption, counted in
+        seq.num_table_resets), so the rows of the last step are kept and only those whose table grew are
+        written."""
         ids = [(s.seq.seq_id, s.seq.num_table_resets) for s in decodes]
         lens = [len(s.seq.block_table) for s in decodes]
-        width = max(lens)
-        buf = self._decode_tables
-        if ids != self._decode_ids or width > buf.shape[1]:  # another batch: start afresh (with headroom)
-            buf = self._decode_tables = np.zeros((len(decodes), width + 8), dtype=np.int64)
+        buf = self.host.decode_tables
+        if ids != self._decode_ids:  # another batch: start afresh
+            rows, cols = self._dirty
+            buf[:rows, :cols] = 0
+            self._dirty = (0, 0)
             self._decode_ids, self._decode_lens = ids, [0] * len(ids)
         old = self._decode_lens
         for i, n in enumerate(lens):
             if n != old[i]:
                 buf[i, old[i]:n] = decodes[i].seq.block_table[old[i]:n]  # tables only ever grow at the end
                 old[i] = n
-        return buf[:, :width]
+        width = max(lens)
+        self._dirty = (max(self._dirty[0], len(lens)), max(self._dirty[1], width))
+        return width
 
-
-def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    """The metadata with its tensors on `device`."""
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    return dataclasses.replace(meta, slot_mapping=move(meta.slot_mapping),
-                               decode_block_tables=move(meta.decode_block_tables),
-                               decode_context_lens=move(meta.decode_context_lens),
-                               prefill_block_tables=[move(t) for t in meta.prefill_block_tables])

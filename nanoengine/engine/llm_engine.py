@@ -1,14 +1,17 @@
-"""LLMEngine: the step loop that ties tokenizer, scheduler, input builder and model runner together.
+"""LLMEngine: the step loop that ties tokenizer, scheduler, input builder, executor and sampler together.
 Chapters 00 and 05.
 
 `add_request` turns a prompt into a Request of n Sequences, each with its Completion. Each `step` is:
-schedule a batch, build its inputs, run the model, let the scheduler append the tokens and apply the stop
-rules, hand each token to its Completion for text, and record the step's numbers (and, with tracing on, its
-trace). Every decision lives in the component that owns it; the loop only calls them in order.
+schedule a batch, build its inputs, run it on every rank (the executor) for the logits of the sampled rows,
+sample the next tokens, let the scheduler append them and apply the stop rules, hand each token to its
+Completion for text, and record the step's numbers (and, with tracing on, its trace). Every decision lives in
+the component that owns it; the loop only calls them in order. An engine is built by
+`nanoengine.launch.build_engine` (settings -> plan -> parts -> executor), which `LLM` and the server call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from itertools import count
@@ -16,45 +19,43 @@ from typing import Any
 
 import torch
 
-from nanoengine import assets
 from nanoengine.config import EngineConfig
-from nanoengine.engine.block_manager import BlockManager
-from nanoengine.engine.inputs import InputBuilder
-from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.engine.executor import Executor
+from nanoengine.engine.inputs import InputBuilder, ModelInput
+from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Completion, Request, check_token_ids, parse_prompt
-from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from nanoengine.engine.sampling import RequestSampler
+from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
-from nanoengine.errors import CheckpointError, InvalidTypeError, InvalidValueError
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import RequestMetrics
+from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.tokenizer import eos_token_ids, load_tokenizer
+from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
 
 
 class LLMEngine:
-    def __init__(self, model: str = assets.DEFAULT_MODEL, **engine_options: Any) -> None:
-        from transformers import AutoConfig
-
-        self.config = EngineConfig.from_kwargs(model=str(model), **engine_options)
-        self.model_path = assets.resolve_model(model)
-        hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.config.resolve(hf_config)
-        self.tokenizer = load_tokenizer(self.model_path)
-        if len(self.tokenizer) > hf_config.vocab_size:
-            raise CheckpointError(f"{self.model_path}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
-                                  f"vocab_size is {hf_config.vocab_size}; the tokenizer files belong to another model")
-        self.runner = ModelRunner(self.config, self.model_path)
-        pieces = self.runner.pieces  # the learner's, with use_exercises (nanoengine.pieces); else None
-        block_manager_class = pieces.block_manager_class(BlockManager) if pieces else BlockManager
-        self.block_manager = block_manager_class(self.runner.num_blocks, self.config.block_size,
-                                                 self.config.enable_prefix_caching)
-        self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
-        scheduler_class = pieces.scheduler_class(Scheduler) if pieces else Scheduler
-        self.scheduler = scheduler_class(self.config, self.block_manager, self.eos_token_ids)
-        self.inputs = InputBuilder(self.config.block_size, self.runner.device,
-                                   pieces.attention_metadata() if pieces else None)
+    def __init__(self, config: EngineConfig, plan: EnginePlan, parts: EngineParts, executor: Executor,
+                 tokenizer: Any) -> None:
+        """The engine over a started executor (see nanoengine.launch.build_engine, which makes the rest)."""
+        self.config = config  # what the user asked for
+        self.plan = plan  # what it resolved to here
+        self.model_path = plan.model_path
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.block_manager = parts.block_manager_class(executor.num_kv_blocks, plan.block_size,
+                                                       plan.enable_prefix_caching)
+        self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
+        self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
+                                               max_num_batched_tokens=plan.max_num_batched_tokens,
+                                               max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len)
+        self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
+                                   max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
+                                   max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
+        self.sampler = RequestSampler(parts.sampler, plan.hf_config.vocab_size, executor.device)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0
@@ -71,15 +72,15 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = parse_prompt(prompt, self.tokenizer, self.config.hf_config.vocab_size)
-        check_token_ids(params.stop_token_ids, self.config.hf_config.vocab_size, "stop_token_ids")
+        text, ids = parse_prompt(prompt, self.tokenizer, self.plan.hf_config.vocab_size)
+        check_token_ids(params.stop_token_ids, self.plan.hf_config.vocab_size, "stop_token_ids")
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
             raise InvalidValueError(f"request id {rid!r} is already in use")
-        seqs = [Sequence(ids, params, self.config.block_size) for _ in range(params.n)]
+        seqs = [Sequence(ids, params, self.plan.block_size) for _ in range(params.n)]
         for i, s in enumerate(seqs):
             s.index, s.request_id = i, rid
-            if i and self.config.enable_prefix_caching:
+            if i and self.plan.enable_prefix_caching:
                 s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
         self.scheduler.check_admission(seqs[0])
         return Request(rid, text, ids, params, [Completion(s, self.tokenizer) for s in seqs],
@@ -102,18 +103,18 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         for s in req.seqs if req is not None else ():
             self.scheduler.abort(s)
-            self.runner.release(s)
+            self.sampler.release(s)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (see ModelRunner.close)."""
-        self.runner.close()
+        """Stop the executor's ranks (tensor parallelism's worker processes)."""
+        self.executor.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def start_trace(self) -> RunTrace:
-        self.trace = RunTrace(block_size=self.config.block_size, num_blocks=self.block_manager.num_blocks,
-                              max_num_batched_tokens=self.config.max_num_batched_tokens,
+        self.trace = RunTrace(block_size=self.plan.block_size, num_blocks=self.block_manager.num_blocks,
+                              max_num_batched_tokens=self.plan.max_num_batched_tokens,
                               start_time=time.perf_counter() - self.start_time)
         return self.trace
 
@@ -123,9 +124,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        inp = self.inputs.build(out.scheduled) if out.scheduled else None
-        t2 = time.perf_counter()
-        sampled = self.runner.run(inp) if inp is not None else []
+        sampled: list[tuple[Sequence, int]] = []
+        t2 = t1
+        if out.scheduled:
+            inp, sample_seqs = self.inputs.build(out.scheduled)
+            t2 = time.perf_counter()
+            sampled = self.next_tokens(inp, sample_seqs)
         t3 = time.perf_counter()
         finished = self.scheduler.postprocess(out, sampled)
         deltas = []
@@ -145,6 +149,12 @@ class LLMEngine:
         self.step_count += 1
         return deltas
 
+    def next_tokens(self, inp: ModelInput, sample_seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Run a built step on every rank (the executor), then sample: (sequence, next token) for every
+        sequence that reaches its last token in this step."""
+        logits = self.executor.execute(inp)  # [len(sample_seqs), vocab] fp32, or None
+        return [] if logits is None else list(zip(sample_seqs, self.sampler.sample(logits, sample_seqs)))
+
     def note_times(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]], finished: list[Sequence],
                    scheduled_at: float, sampled_at: float, now: float) -> None:
         """Request metrics (first scheduled, first token, finished); finished sequences let go of their state."""
@@ -157,7 +167,7 @@ class LLMEngine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = sampled_at
         for seq in finished:
-            self.runner.release(seq)
+            self.sampler.release(seq)
             req = self.requests[seq.request_id]
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
@@ -167,14 +177,16 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (float32) of one prompt through the engine's model and KV cache, in
         one prefill: the book's way to compare the engine with transformers (chapter 02)."""
-        seq = Sequence(check_token_ids(list(token_ids), self.config.hf_config.vocab_size), SamplingParams(),
-                       self.config.block_size)
+        seq = Sequence(check_token_ids(list(token_ids), self.plan.hf_config.vocab_size), SamplingParams(),
+                       self.plan.block_size)
         if not self.block_manager.can_allocate(seq, seq.num_tokens):
             raise InvalidValueError(f"a prompt of {seq.num_tokens} tokens needs {self.block_manager.blocks_for(seq.num_tokens)} "
                              f"KV blocks, {self.block_manager.num_free_blocks} are free; finish or abort the running "
                              "requests, or give the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)
         try:
-            return self.runner.prompt_logits(self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)]))  # [T, vocab]
+            inp, _ = self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)])
+            every_row = dataclasses.replace(inp, sample_rows=torch.arange(inp.num_tokens, device=inp.input_ids.device))
+            return self.executor.execute(every_row)  # [T, vocab]
         finally:
             self.block_manager.free(seq)

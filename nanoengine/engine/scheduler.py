@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
@@ -36,13 +35,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
-        if config.max_model_len is None:
-            raise InvalidValueError("Scheduler: config.max_model_len is None; call config.resolve(hf_config) first "
-                             "or set max_model_len explicitly")
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.max_model_len = config.max_model_len
+    def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int) -> None:
+        """The engine's limits come from its plan: a step's token budget, the sequences running at once, and
+        the longest a sequence may grow (prompt + output)."""
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = set(eos_token_ids)

@@ -4,7 +4,7 @@ Each is the eager layer's own function, handed to torch.compile (inductor), whic
 into one kernel: on a GPU, one launch and one pass over memory instead of several. `CompiledOps` has the C++
 CPU extension's interface (`rms_norm(x, residual, weight, eps) -> (normed, residual)`,
 `rotary(x, positions, cos, sin)`, `silu_and_mul(gate_up)`), so the layers take it the same way, in their
-constructors (`nanoengine.kernels.for_config` picks it when the config says `torch_compile`). Compiling is
+constructors (`nanoengine.kernels.for_plan` picks it when the plan says `torch_compile`). Compiling is
 lazy: the first call of each shape compiles (the runner's warm-up and graph capture do it before any request).
 On CPU inductor made these ops slower than eager (hence off by default there); on CUDA they save launches.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoengine.distributed.group import SINGLE, TPGroup
 from nanoengine.layers.linear import PackableLinear, checkpoint_shape
+from nanoengine.layers.tp_group import SINGLE, TPGroup
 
 
 def vocab_rows_loader(tp: TPGroup):

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine.distributed.group import SINGLE, TPGroup
 from nanoengine.errors import InvalidValueError
+from nanoengine.layers.tp_group import SINGLE, TPGroup
 
 
 def checkpoint_shape(loaded) -> tuple[int, ...]:

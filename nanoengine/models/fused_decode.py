@@ -9,8 +9,9 @@ Python keeps the embedding (and the runner the LM head).
 
 It serves what it mirrors exactly: a Llama-family model (Qwen3's per-head q/k norms included) on the `cpu`
 attention backend with the C++ kernels, one rank, and decode-only steps whose batch the linears' bf16
-copies take (or any batch when the model has none). `EngineConfig.fused_decode` decides when the runner
-uses it; `enforce_eager=True` turns it off, as it turns CUDA graphs off.
+copies take (or any batch when the model has none). The plan's decode mode (`DecodeMode.FUSED_CPU`,
+nanoengine/plan.py) decides when the runner builds it; `enforce_eager=True` turns it off, as it turns CUDA
+graphs off.
 """
 
 from __future__ import annotations

@@ -18,18 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanoengine.attention import AttentionMetadata, get_backend
-from nanoengine.distributed.group import SINGLE, TPGroup
+from nanoengine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.embedding import Embedding, LMHead
 from nanoengine.layers.linear import MergedLinear, RowParallelLinear
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryAngles, RotaryEmbedding
+from nanoengine.layers.tp_group import SINGLE, TPGroup
 from nanoengine.models import hf_config
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
+    def __init__(self, config: Any, qk_norm: bool, backend: type[AttentionBackend], rotary: RotaryEmbedding,
                  kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
@@ -43,7 +43,7 @@ class Attention(nn.Module):
                                      {"q": self.q_size * n, "k": self.kv_size * n, "v": self.kv_size * n}, bias, tp)
         self.o_proj = RowParallelLinear(self.q_size * n, config.hidden_size, bias, tp)
         self.rotary_emb = rotary  # one module shared by all layers
-        self.attn = get_backend(backend)(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
@@ -78,7 +78,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, backend: str, rotary: RotaryEmbedding,
+    def __init__(self, config: Any, qk_norm: bool, backend: type[AttentionBackend], rotary: RotaryEmbedding,
                  kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.self_attn = Attention(config, qk_norm, backend, rotary, kernels, tp)
@@ -106,8 +106,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, attention_backend: str = "torch", kernels: ModuleType | None = None,
-                 tp: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, attention_backend: type[AttentionBackend] = TorchAttention,
+                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Hand layer i its K and V caches: views of kv_cache [2, num_layers, *the backend's layer layout]."""
         for i, layer in enumerate(self.layers):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+            layer.self_attn.attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]

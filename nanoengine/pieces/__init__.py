@@ -6,12 +6,18 @@ of the engine runs unchanged around them:
 
 | chapter | your pieces | where they run |
 |---|---|---|
-| ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (every norm and rotation); prompts' attention |
-| ch03 | slot mapping and attention metadata; K/V store, paged decode and prefill attention | the input builder; an attention backend |
-| ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager and a Scheduler subclass |
+| ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (norms, rotation); prompts' attention |
+| ch03 | slot mapping and attention metadata; K/V store, paged attention | the input builder; a backend |
+| ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager, a Scheduler |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
-| ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the model runner's decode graphs |
+| ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
 | ch07 | a rank's rows of a weight, its vocabulary shard's lookup | the TPGroup every sharded layer asks |
+
+This module is the selection: which chapters (`chapters_of`), from which folder (`folder_of`), the process
+default `use_exercises()` sets, and `selected()`, which applies that default once, where an engine is built
+(nanoengine.launch), into a `PieceSelection` the plan asks capability questions of. It imports nothing from
+the engine. The adapters (`ch02.py` .. `ch07.py`, `learner.py`) wrap the learner's functions, and
+`nanoengine.engine.parts.assemble` builds the engine's components on them.
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
 engine's code. In a notebook, `nanoengine.pieces.use_exercises("ch02")` makes every `LLM` built afterwards
@@ -22,10 +28,8 @@ the engine's greedy text on your pieces must equal its text on its own (`pieces/
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from nanoengine.errors import InvalidTypeError, InvalidValueError
@@ -50,7 +54,11 @@ PIECES = {
              "StandInGraphs.replay"),
     "ch07": ("shard_merged_rows", "vocab_parallel_embedding"),
 }
-MODEL_CHAPTERS = ("ch02", "ch03")  # pieces inside the model's forward: eager torch attention, no graphs
+# pieces inside the model's forward (their Python may read tensors on the host): eager torch-family attention,
+# no torch.compile, no CUDA graphs; the backends each can plug into, the first being the default
+FORWARD_CHAPTERS = {"ch02": ("torch", "cpu"), "ch03": ("torch",)}
+GRAPH_CHAPTERS = ("ch06",)  # pieces that bring their own decode graphs (the CPU stand-in)
+BACKEND_ORDER = ("torch", "cpu")  # the attention backends pieces plug into, by preference
 
 
 def chapters_of(value: Any) -> tuple[str, ...]:
@@ -112,94 +120,58 @@ class use_exercises:
         _default.update(self.previous)
 
 
-def settle(chapters: Any, exercises_dir: Any) -> tuple[tuple[str, ...], str | None]:
-    """EngineConfig's use_exercises and exercises_dir, resolved: None takes use_exercises()' default."""
+def selected(chapters: Any = None, exercises_dir: Any = None) -> PieceSelection:
+    """The pieces an engine is built with: `chapters` (EngineConfig.use_exercises) and `exercises_dir`, where
+    chapters=None takes what `use_exercises()` set for this process. Called once, where the engine is built."""
     if chapters is None:
         chapters, exercises_dir = _default["chapters"], exercises_dir or _default["exercises_dir"]
-    chosen = chapters_of(chapters)
-    if not chosen:
-        if exercises_dir is not None:
-            raise InvalidValueError("exercises_dir is set but use_exercises is empty; name the chapters whose "
-                                    "pieces to use, e.g. use_exercises=['ch02']")
-        return (), None
-    return chosen, str(folder_of(exercises_dir))
+    chosen, folder = checked_option(chapters, exercises_dir)
+    return PieceSelection(chosen, folder or str(folder_of(None))) if chosen else NO_PIECES
 
 
-@dataclass
-class Pieces:
-    """The learner's chapter modules an engine was configured with, and the components built on them."""
-    modules: dict[str, ModuleType]
+def checked_option(chapters: Any, exercises_dir: Any) -> tuple[tuple[str, ...] | None, str | None]:
+    """EngineConfig's use_exercises and exercises_dir, normalized (chapters None stays None: not said) and
+    checked: a folder with no chapters is an error."""
+    chosen = None if chapters is None else chapters_of(chapters)
+    folder = None if exercises_dir is None else str(folder_of(exercises_dir))
+    if chosen == () and folder is not None:
+        raise InvalidValueError("exercises_dir is set but use_exercises is empty; name the chapters whose "
+                                "pieces to use, e.g. use_exercises=['ch02']")
+    return chosen, folder
 
-    @classmethod
-    def for_config(cls, config: Any) -> Pieces | None:
-        if not config.use_exercises:
-            return None
-        from nanoengine.pieces import learner
 
-        folder = Path(config.exercises_dir)
-        modules = {ch: learner.load(ch, folder) for ch in config.use_exercises}
-        learner.check_done([(modules[ch], name, ch) for ch in modules for name in PIECES[ch]])
-        return cls(modules)
+@dataclass(frozen=True)
+class PieceSelection:
+    """Which chapters' pieces an engine runs on, and from which folder; plain data, so a worker process
+    rebuilds the same pieces from it (nanoengine.engine.parts). The engine's plan asks it what the pieces
+    need (`forward_pieces`, `graph_pieces`, `attention_backends`), never for chapter names."""
+    chapters: tuple[str, ...] = ()
+    folder: str | None = None
 
-    def attention_backend(self, base: type) -> type:
-        from nanoengine.pieces import ch02, ch03
+    def __bool__(self) -> bool:
+        return bool(self.chapters)
 
-        if "ch03" in self.modules:
-            base = ch03.with_paged_kv(base, self.modules["ch03"])
-        if "ch02" in self.modules:
-            base = ch02.with_prompt_attention(base, self.modules["ch02"])
-        return base
+    @property
+    def option(self) -> str:
+        """How the user asked for them, for messages: "use_exercises=['ch02', 'ch03']"."""
+        return f"use_exercises={list(self.chapters)}"
 
-    def kernels(self, engine_kernels: Any, hf_config: Any) -> Any:
-        if "ch02" not in self.modules:
-            return engine_kernels
-        from nanoengine.models.hf_config import rope_theta
-        from nanoengine.pieces import ch02
+    @property
+    def forward_pieces(self) -> tuple[str, ...]:
+        """The chosen chapters whose pieces run inside the model's forward: they need eager attention of the
+        torch family, and neither torch.compile nor CUDA graphs."""
+        return tuple(c for c in self.chapters if c in FORWARD_CHAPTERS)
 
-        return ch02.Kernels(self.modules["ch02"], rope_theta(hf_config))
+    @property
+    def graph_pieces(self) -> tuple[str, ...]:
+        """The chosen chapters that bring their own decode graphs (a CPU stand-in of CUDA graphs)."""
+        return tuple(c for c in self.chapters if c in GRAPH_CHAPTERS)
 
-    def attention_metadata(self):
-        if "ch03" not in self.modules:
-            return None
-        from nanoengine.pieces import ch03
+    @property
+    def attention_backends(self) -> tuple[str, ...]:
+        """The attention backends the forward pieces plug into (every one of them), the default first."""
+        allowed = [b for b in BACKEND_ORDER if all(b in FORWARD_CHAPTERS[c] for c in self.forward_pieces)]
+        return tuple(allowed)
 
-        return ch03.attention_metadata(self.modules["ch03"])
 
-    def block_manager_class(self, engine_class: type) -> type:
-        if "ch04" not in self.modules:
-            return engine_class
-        from nanoengine.pieces import ch04
-
-        return ch04.block_manager_class(self.modules["ch04"])
-
-    def scheduler_class(self, engine_class: type) -> type:
-        from nanoengine.pieces import ch04, ch05
-
-        if "ch04" in self.modules:  # your admission pass (4.5)
-            engine_class = ch04.scheduler_class(self.modules["ch04"], engine_class)
-        if "ch05" in self.modules:  # your whole scheduling step (5.2), which admits by itself
-            engine_class = ch05.scheduler_class(self.modules["ch05"], engine_class)
-        return engine_class
-
-    def graphs(self, engine_graphs: Callable[[], Any], *args: Any) -> Any:
-        """The decode graphs: yours (ch06) built with the runner's (forward, max_num_seqs, max_blocks,
-        hidden_size, block_size, dtype), else the engine's `engine_graphs()`."""
-        if "ch06" not in self.modules:
-            return engine_graphs()
-        from nanoengine.pieces import ch06
-
-        return ch06.LearnerGraphs(self.modules["ch06"], *args)
-
-    def tp_group(self, group: Any) -> Any:
-        if "ch07" not in self.modules:
-            return group
-        from nanoengine.pieces import ch07
-
-        return ch07.tp_group(self.modules["ch07"], group)
-
-    def sampler(self, engine_sampler: Any, seed: int) -> Any:
-        if "ch05" not in self.modules:
-            return engine_sampler
-        from nanoengine.pieces import ch05
-
-        return ch05.LearnerSampler(self.modules["ch05"], seed)
+NO_PIECES = PieceSelection()  # the engine's own

@@ -20,6 +20,14 @@ from nanoengine.engine.inputs import ModelInput
 from nanoengine.pieces.learner import check_result, piece
 
 
+def graphs_factory(module: ModuleType) -> Callable[..., LearnerGraphs]:
+    """Decode graphs built as the engine builds its own (DecodeGraphs' arguments), on your pieces."""
+    def make(forward: Callable[[ModelInput], torch.Tensor], kind: str, max_num_seqs: int, max_blocks: int,
+             hidden_size: int, block_size: int, dtype: torch.dtype, device: torch.device) -> LearnerGraphs:
+        return LearnerGraphs(module, forward, max_num_seqs, max_blocks, hidden_size, block_size, dtype)
+    return make
+
+
 class LearnerGraphs:
     def __init__(self, module: ModuleType, forward: Callable[[ModelInput], torch.Tensor], max_num_seqs: int,
                  max_blocks: int, hidden_size: int, block_size: int, dtype: torch.dtype) -> None:

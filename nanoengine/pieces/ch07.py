@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from nanoengine.distributed.group import TPGroup
+from nanoengine.layers.tp_group import TPGroup
 from nanoengine.pieces.learner import check_result, piece
 
 
@@ -50,6 +50,11 @@ class LearnerTPGroup(TPGroup):
         return out.to(weight.dtype)
 
 
-def tp_group(module: ModuleType, group: TPGroup) -> LearnerTPGroup:
-    return LearnerTPGroup(group.rank, group.size, piece(module, "shard_merged_rows", "ch07"),
-                          piece(module, "vocab_parallel_embedding", "ch07"))
+def group_wrapper(module: ModuleType) -> Callable[[TPGroup], LearnerTPGroup]:
+    """A rank's group, answering with your functions."""
+    shard_rows = piece(module, "shard_merged_rows", "ch07")
+    lookup = piece(module, "vocab_parallel_embedding", "ch07")
+
+    def wrap(group: TPGroup) -> LearnerTPGroup:
+        return LearnerTPGroup(group.rank, group.size, shard_rows, lookup)
+    return wrap

@@ -5,8 +5,10 @@
 - `async_engine.py`: one background thread steps the `LLMEngine`; handlers submit through a thread-safe queue
   and read their deltas from per-request asyncio queues;
 - `metrics.py`: the Prometheus metrics behind `GET /metrics`;
-- `app.py`: the FastAPI routes, OpenAI's error format, and `Server` (uvicorn, clean shutdown): `run()` in the
-  foreground (`nanoengine serve`) or `start()` / `with Server(...)` from a background thread (the book);
+- `routes.py`: the FastAPI app and its routes, OpenAI's error format, and the SSE chunks (written once for
+  completions and chats);
+- `server.py`: the process: `Server` (uvicorn on a bound socket, clean shutdown): `run()` in the foreground
+  (`nanoengine serve`) or `start()` / `with Server(...)` from a background thread (the book);
 - `trace_json.py`: the engine's step trace as JSON and back (`GET /v1/trace`, for the book's widgets).
 
     nanoengine serve tiny-qwen3 --port 8000

@@ -12,8 +12,8 @@ is work and sleeps on the command queue when there is none. Scheduling, stop rul
 engine's (`LLMEngine.step`); nothing here re-decides them.
 
 `abort(stream)` (a client that went away) frees the request's blocks in the engine thread's next loop, within
-one step. `begin_shutdown(grace_s)` refuses new requests, lets the in-flight ones run for up to `grace_s`, then
-aborts the rest (their streams end with finish_reason "abort"); `stop()` ends the thread.
+one step. `begin_shutdown(grace_s)` refuses new requests, lets the in-flight ones run for up to `grace_s`,
+then aborts the rest (their streams end with finish_reason "abort"); `stop()` ends the thread.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class AsyncEngine:
         """Queue one request per prompt (or one for the conversation); raises the engine's error for a bad
         one, in which case none is queued."""
         if not self.healthy:
-            raise ServerBusyError("the server is shutting down" if self._stopping else "the engine is not running")
+            raise ServerBusyError("the server is shutting down" if self._stopping
+                                  else "the engine is not running")
         n_prompts = 1 if conversation is not None else len(prompts)
         stream = RequestStream(request_id, n_prompts, params.n, self._loop)
         self._commands.put(("add", stream, prompts, params, conversation, time.perf_counter()))
@@ -323,7 +324,8 @@ class AsyncEngine:
                     batch.append((live.stream, events))
             self._deliver(batch)
             if eng.trace is not None and len(eng.trace.steps) >= MAX_TRACE_STEPS:
-                log.warning("nanoengine serve: the trace reached %d steps; it stops recording", MAX_TRACE_STEPS)
+                log.warning("nanoengine serve: the trace reached %d steps; it stops recording",
+                            MAX_TRACE_STEPS)
                 eng.trace = None
         sch, bm = eng.scheduler, eng.block_manager
         self.metrics.on_step(stats, len(sch.running), len(sch.waiting), bm.num_used_blocks, bm.num_blocks)
@@ -338,7 +340,8 @@ class AsyncEngine:
             tokens += seq.num_completion_tokens
             if seq.is_finished and seq.index not in live.reported:
                 live.reported.add(seq.index)
-                events.append(ChoiceDone(live.prompt_index * n + seq.index, seq.finish_reason, seq.stop_reason))
+                events.append(ChoiceDone(live.prompt_index * n + seq.index, seq.finish_reason,
+                                         seq.stop_reason))
         self.metrics.on_tokens(tokens - live.num_tokens)
         live.num_tokens = tokens
         return events

@@ -25,9 +25,12 @@ class ServerMetrics:
         self.running = Gauge("nanoengine_num_requests_running", "sequences in the running batch", **m)
         self.waiting = Gauge("nanoengine_num_requests_waiting", "sequences waiting for admission", **m)
         self.batch_size = Gauge("nanoengine_batch_size", "sequences in the last step", **m)
-        self.peak_batch_size = Gauge("nanoengine_batch_size_peak", "most sequences in one step since start", **m)
-        self.batch_hist = Histogram("nanoengine_step_batch_size", "sequences per step", buckets=BATCH_BUCKETS, **m)
-        self.kv_used_blocks = Gauge("nanoengine_kv_cache_used_blocks", "KV blocks held by live sequences", **m)
+        self.peak_batch_size = Gauge("nanoengine_batch_size_peak", "most sequences in one step since start",
+                                     **m)
+        self.batch_hist = Histogram("nanoengine_step_batch_size", "sequences per step", buckets=BATCH_BUCKETS,
+                                    **m)
+        self.kv_used_blocks = Gauge("nanoengine_kv_cache_used_blocks", "KV blocks held by live sequences",
+                                    **m)
         self.kv_blocks = Gauge("nanoengine_kv_cache_blocks", "KV blocks in the pool", **m)
         self.kv_usage = Gauge("nanoengine_kv_cache_usage_perc", "share of the KV pool in use (0..1)", **m)
         self.prompt_tokens = Counter("nanoengine_prompt_tokens", "prompt tokens of admitted sequences (n per "
@@ -37,14 +40,16 @@ class ServerMetrics:
                                          "prefix cache", **m)
         self.prefix_hit_rate = Gauge("nanoengine_prefix_cache_hit_rate", "prefix-cache hit tokens / prompt "
                                      "tokens since start", **m)
-        self.preemptions = Counter("nanoengine_num_preemptions", "sequences preempted (recomputed later)", **m)
+        self.preemptions = Counter("nanoengine_num_preemptions", "sequences preempted (recomputed later)",
+                                   **m)
         self.steps = Counter("nanoengine_engine_steps", "engine steps", **m)
         self.finished = Counter("nanoengine_request_success", "finished requests", ["finish_reason"], **m)
-        self.aborted = Counter("nanoengine_request_aborted", "requests aborted (client gone, or shutdown)", **m)
+        self.aborted = Counter("nanoengine_request_aborted", "requests aborted (client gone, or shutdown)",
+                               **m)
         self.ttft = Histogram("nanoengine_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, **m)
-        self.tpot = Histogram("nanoengine_time_per_output_token_seconds", "mean gap between a request's later "
-                              "tokens", buckets=LATENCY_BUCKETS, **m)
+        self.tpot = Histogram("nanoengine_time_per_output_token_seconds", "mean gap between a request's "
+                              "later tokens", buckets=LATENCY_BUCKETS, **m)
         self.e2e = Histogram("nanoengine_e2e_request_latency_seconds", "arrival to finish",
                              buckets=LATENCY_BUCKETS, **m)
         info = Gauge("nanoengine_model_info", "the served model", ["model"], registry=r)

@@ -1,12 +1,12 @@
 """Request and response bodies of the server, in OpenAI's shapes (pydantic). Chapter 05 (appendix).
 
 Requests are parsed strictly (a string is not a number, `true` is not an integer) and unknown fields are
-refused, so nothing is accepted and ignored. Pydantic checks the shape; the values are checked where the engine
-checks them, by `SamplingParams` (ranges, with a message naming the field) and by the engine's admission
-(prompt length against `max_model_len`). Fields OpenAI has and nanoengine does not implement (penalties,
-logprobs, echo) are accepted only at their neutral value. vLLM's extra sampling fields (`top_k`, `min_p`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them through
-`extra_body`.
+refused, so nothing is accepted and ignored. Pydantic checks the shape; the values are checked where the
+engine checks them, by `SamplingParams` (ranges, with a message naming the field) and by the engine's
+admission (prompt length against `max_model_len`). Fields OpenAI has and nanoengine does not implement
+(penalties, logprobs, echo) are accepted only at their neutral value. vLLM's extra sampling fields (`top_k`,
+`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them
+through `extra_body`.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class _GenerationRequest(_Strict):
         for name, neutral in fields.items():
             value = getattr(self, name)
             if value is not None and value != neutral:
-                raise ProtocolError(f"{name}={value!r} is not supported by nanoengine; leave it out (or {neutral!r})",
-                                    name)
+                raise ProtocolError(f"{name}={value!r} is not supported by nanoengine; leave it out "
+                                    f"(or {neutral!r})", name)
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams (OpenAI's defaults where a field is left out); SamplingParams checks
@@ -80,8 +80,8 @@ class _GenerationRequest(_Strict):
                   "skip_special_tokens": self.skip_special_tokens,
                   "include_stop_str_in_output": self.include_stop_str_in_output}
         given = {k: v for k, v in fields.items() if v is not None}
-        return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                              **given)
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(max_tokens=max_tokens, **given)
 
     @property
     def include_usage(self) -> bool:
@@ -99,12 +99,14 @@ class CompletionRequest(_GenerationRequest):
         """The prompt(s) as a list: a string, a list of token ids, or a list of either (one request each)."""
         self._check_neutral(echo=False, suffix=None, logprobs=None)
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise ProtocolError(f"best_of={self.best_of} is not supported by nanoengine; leave it out", "best_of")
+            raise ProtocolError(f"best_of={self.best_of} is not supported by nanoengine; leave it out",
+                                "best_of")
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise ProtocolError("prompt is empty: give a string, a list of token ids, or a list of those", "prompt")
+            raise ProtocolError("prompt is empty: give a string, a list of token ids, or a list of those",
+                                "prompt")
         return list(p)
 
 

@@ -2,8 +2,8 @@
 
 A server started with `--trace` records a `StepTrace` per step, as `LLM(..., trace=True)` does; the endpoint
 sends the steps from `since` on, and `fetch_trace(url)` rebuilds a `RunTrace` that the book's widgets draw
-(`BatchCompositionView(fetch_trace(url))`); `update_trace(trace, url)` fetches only the steps it lacks. JSON turns the int keys of the snapshots into strings and tuples
-into lists; `trace_from_dict` turns them back.
+(`BatchCompositionView(fetch_trace(url))`); `update_trace(trace, url)` fetches only the steps it lacks. JSON
+turns the int keys of the snapshots into strings and tuples into lists; `trace_from_dict` turns them back.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def fetch_trace(base_url: str, since: int = 0, timeout: float = 30.0) -> RunTrac
     """The trace (from step `since` on) of a server started with --trace (base_url like http://127.0.0.1:8000)."""
     import httpx
 
-    r = httpx.get(f"{base_url.rstrip('/').removesuffix('/v1')}/v1/trace", params={"since": since}, timeout=timeout)
+    url = f"{base_url.rstrip('/').removesuffix('/v1')}/v1/trace"
+    r = httpx.get(url, params={"since": since}, timeout=timeout)
     r.raise_for_status()
     return trace_from_dict(r.json())
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from ex_helpers import assert_close, assert_detects, assert_equal, book, explained
 
-from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.scheduler import Scheduler
@@ -36,8 +35,8 @@ def engine_batches() -> tuple:
     batches = []
     for seed, bs, budget, num_blocks in [(31, 4, 24, 120), (32, 8, 40, 80), (33, 1, 16, 400)]:
         rng = random.Random(seed)
-        cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=256)
-        sched = Scheduler(cfg, BlockManager(num_blocks, bs), eos_token_ids=set())
+        sched = Scheduler(BlockManager(num_blocks, bs), set(), max_num_batched_tokens=budget, max_num_seqs=6,
+                          max_model_len=256)
         prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randint(bs, 4 * bs))] for _ in range(2)]
         seen: list[list[int]] = []
         for _ in range(40):
@@ -55,7 +54,7 @@ def engine_batches() -> tuple:
             out = sched.schedule()
             if out.scheduled:
                 batch = copy.deepcopy(out.scheduled)
-                batches.append((batch, bs, InputBuilder(bs).build(batch)))
+                batches.append((batch, bs, InputBuilder(bs).build(batch).inputs))
             sched.postprocess(out, [(s.seq, rng.randrange(10, 1000)) for s in out.scheduled
                                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens])
     return tuple(batches)
@@ -141,7 +140,7 @@ def metadata_fields(meta) -> dict:
 def variant_meta(batch, bs: int, mode: str) -> dict:
     """The metadata fields with one classic mistake (the engine's slots)."""
     decodes, prefills = groups(batch)
-    want = metadata_fields(InputBuilder(bs).build(batch).attn)
+    want = metadata_fields(InputBuilder(bs).build(batch).inputs.attn)
     if mode == "context_without_new" and decodes:
         want["decode_context_lens"] = ([s.seq.num_computed_tokens for s in decodes], torch.int64)
     elif mode == "context_is_chunk":

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import pytest
 from ex_helpers import assert_detects, assert_equal, assert_same_list, book, with_hint
 
-from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence
@@ -372,8 +371,7 @@ def test_4_4_free_keeps_hashes_and_lru_order(ex):
 # ------------------------------------------------------------------------------------------------- 4.5
 def engine_admit(bm: BlockManager, waiting: list, budget: int) -> list:
     """The scheduler's admission pass over `waiting`, with nothing running: [(seq, num_new_tokens)]."""
-    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
-    sched = Scheduler(cfg, bm, eos_token_ids=set())
+    sched = Scheduler(bm, set(), max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
     sched.waiting = deque(waiting)
     return [(s.seq, s.num_new_tokens) for s in sched.schedule().scheduled]
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from ex_helpers import assert_equal, book
 
-from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -28,8 +27,8 @@ EOS = 7
 
 # ------------------------------------------------------------------------------------------ workloads
 def make_sched(num_blocks: int, bs: int, budget: int, max_seqs: int, max_model_len: int = 256) -> Scheduler:
-    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
-    return Scheduler(cfg, BlockManager(num_blocks, bs), eos_token_ids={EOS})
+    return Scheduler(BlockManager(num_blocks, bs), {EOS}, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                     max_model_len=max_model_len)
 
 
 class Workload:
@@ -368,15 +367,15 @@ FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", 
 
 
 def engine_flat(scheduled, builder: InputBuilder) -> dict:
-    inp = builder.build(scheduled)
+    inp, sample_seqs = builder.build(scheduled)
     a = inp.attn
     return {"input_ids": inp.input_ids.tolist(), "positions": inp.positions.tolist(),
             "slot_mapping": a.slot_mapping.tolist(),
             "decode_block_tables": a.decode_block_tables.tolist() if a.decode_block_tables is not None else [],
             "decode_context_lens": a.decode_context_lens.tolist() if a.decode_context_lens is not None else [],
             "prefill_query_starts": list(a.prefill_query_starts), "prefill_query_lens": list(a.prefill_query_lens),
-            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": list(inp.sample_rows),
-            "sample_seq_ids": [s.seq_id for s in inp.sample_seqs]}
+            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": inp.sample_rows.tolist(),
+            "sample_seq_ids": [s.seq_id for s in sample_seqs]}
 
 
 def variant_flat(scheduled, bs: int, mode: str) -> dict:

@@ -86,7 +86,7 @@ def decode_batches(seed: int, steps: int):
                     s.block_table.append(rng.randrange(1, 500))
             if rng.random() < 0.05:
                 s.block_table[:] = rng.sample(range(1, 500), len(s.block_table))
-        yield builder.build([ScheduledSeq(s, 1, False) for s in batch])
+        yield builder.build([ScheduledSeq(s, 1, False) for s in batch]).inputs
 
 
 def fresh_buffers(rows: int, max_blocks: int) -> dict[str, torch.Tensor]:
@@ -153,19 +153,18 @@ def decode_steps(llm: LLM, lengths=(14, 3, 9, 5, 11, 7)):
             for p, n in zip(PROMPTS, lengths)]
     while eng.has_unfinished():
         out = eng.scheduler.schedule()
-        inp = eng.inputs.build(out.scheduled)
+        inp, sample_seqs = eng.inputs.build(out.scheduled)
         if inp.is_decode_only:
             yield inp
-        sampled = eng.runner.run(inp)
-        eng.scheduler.postprocess(out, sampled)
+        eng.scheduler.postprocess(out, eng.next_tokens(inp, sample_seqs))
     for rid in rids:
         eng.abort(rid)
 
 
 def test_6_3_replay_equals_eager_and_writes_only_real_rows(ex, tiny):
     where = book(NB, "6.3")
-    runner = tiny.engine.runner
-    cfg = tiny.config
+    runner = tiny.engine.executor.runner
+    cfg = tiny.plan
     seen: list[torch.Tensor] = []
 
     def forward(inp):
@@ -225,13 +224,13 @@ def test_6_4_count_ops_matches_a_dispatch_counter(ex, tiny):
     where = book(NB, "6.4")
     torch.manual_seed(64)
     x, y, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 8)
-    runner = tiny.engine.runner
+    runner = tiny.engine.executor.runner
     steps = decode_steps(tiny, lengths=(4, 4, 4))
     step_inp = next(steps)
     cases = {"relu(x + y) * 2": lambda: torch.relu(x + y) * 2,
              "softmax(linear(x, w))": lambda: F.softmax(F.linear(x, w), -1),
              "views and an in-place add": lambda: x.clone().view(8, 4).t().add_(1).sum(),
-             "a tiny-qwen3 decode step": lambda: runner.execute(step_inp, step_inp.sample_rows)}
+             "a tiny-qwen3 decode step": lambda: runner.execute(step_inp)}
     for name, fn in cases.items():
         with torch.inference_mode():
             want = overhead.count_ops(fn)

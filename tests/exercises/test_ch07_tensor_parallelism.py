@@ -8,7 +8,7 @@ import pytest
 import torch
 from ex_helpers import assert_close, book
 
-from nanoengine.distributed.group import TPGroup
+from nanoengine.layers.tp_group import TPGroup
 from nanoengine.layers.embedding import Embedding
 from nanoengine.layers.linear import MergedLinear, RowParallelLinear
 

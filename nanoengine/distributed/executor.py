@@ -1,0 +1,44 @@
+"""MultiprocExecutor: a tensor-parallel engine's ranks, rank 0 in this process and the others in worker
+processes, stepped in lockstep. Chapter 07.
+
+Rank 0's ModelRunner lives here; `Workers` (workers.py) starts ranks 1..N-1, which build their own runners
+from the same plan meanwhile. Every call (a step, an RPC) is sent to the workers, then run here; the
+collectives inside the forward keep the ranks together, and rank 0 alone gets the gathered logits (so only
+its sampler draws: the ranks can never disagree on a token). A failure on any rank stops the workers and
+raises here, with the failed worker's traceback (`WorkerError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanoengine.distributed.workers import Workers
+from nanoengine.engine.executor import Executor, call_on
+from nanoengine.engine.inputs import ModelInput
+from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.engine.parts import EngineParts
+from nanoengine.plan import EnginePlan
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
+        self.workers = Workers(plan)  # spawned; they build their runners while rank 0 builds its own
+        with self.workers.lockstep():
+            self.runner = ModelRunner(plan, parts, self.workers.group)
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor | None:
+        with self.workers.lockstep():
+            self.workers.send("execute", (model_input,))
+            return self.runner.execute(model_input)
+
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+        with self.workers.lockstep():
+            self.workers.send(method, args, reply=True)
+            mine = call_on(self.runner, method, args)
+            return [mine, *self.workers.replies()]
+
+    def close(self) -> None:
+        self.workers.close()

@@ -1,0 +1,94 @@
+"""The parts an engine is built from, assembled in one place: the engine's own, or the learner's where the
+plan's pieces say so (`use_exercises`, nanoengine.pieces). All chapters.
+
+`assemble(plan)` loads the learner's chapter files once (an untouched stub is an error naming its exercise,
+right here) and returns `EngineParts`, which the engine hands down: each rank's ModelRunner builds its model
+with `attention_backend`, `kernels` and `tp_group`, and its decode graphs with `graphs`; the driver builds its
+`block_manager_class`, `scheduler_class`, input builder (`attention_metadata`) and samples with `sampler`. A
+worker process calls `assemble` on the plan it is sent, so every rank runs the same pieces.
+
+| pieces | replace |
+|---|---|
+| ch02 | the model's kernels (norms, rotary); a prompt's attention over its own tokens |
+| ch03 | the attention metadata; the K/V store, paged decode and prefill attention (blocks-first layout) |
+| ch04 | the block manager's hashes, prefix lookup and freeing; the scheduler's admission |
+| ch05 | the scheduler's step; the sampler |
+| ch06 | the decode graphs (the CPU stand-in) |
+| ch07 | the tensor-parallel group's sharding and vocabulary lookup |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanoengine import kernels
+from nanoengine.attention import AttentionBackend, get_backend
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.graphs import DecodeGraphs
+from nanoengine.engine.inputs import MetadataBuilder
+from nanoengine.engine.scheduler import Scheduler
+from nanoengine.layers.sampler import Sampler
+from nanoengine.layers.tp_group import TPGroup
+from nanoengine.models.hf_config import rope_theta
+from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, learner
+
+# (forward, kind, max_num_seqs, max_blocks, hidden_size, block_size, dtype, device) -> decode graphs, which
+# answer can_replay(inp), replay(inp) and capture(buckets) as DecodeGraphs does
+GraphsFactory = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    attention_backend: type[AttentionBackend]
+    kernels: Any  # the model's fused ops (C++ or torch.compile'd), the learner's, or None (eager PyTorch)
+    tp_group: Callable[[TPGroup], TPGroup]  # a rank's group as the layers see it
+    graphs: GraphsFactory
+    block_manager_class: type[BlockManager]
+    scheduler_class: type[Scheduler]
+    attention_metadata: MetadataBuilder | None  # None: the input builder's own
+    sampler: Sampler
+
+
+def same_group(group: TPGroup) -> TPGroup:
+    return group
+
+
+def assemble(plan: Any) -> EngineParts:
+    """The parts of an engine under this EnginePlan (see the module docstring)."""
+    chosen = plan.pieces
+    modules = {}
+    if chosen:
+        folder = Path(chosen.folder)
+        modules = {ch: learner.load(ch, folder) for ch in chosen.chapters}
+        learner.check_done([(modules[ch], name, ch) for ch in modules for name in PIECES[ch]])
+
+    backend = get_backend(plan.attention_backend)
+    model_kernels = kernels.for_plan(plan)
+    tp_group: Callable[[TPGroup], TPGroup] = same_group
+    graphs: GraphsFactory = DecodeGraphs
+    block_manager_class, scheduler_class = BlockManager, Scheduler
+    attention_metadata = None
+    sampler = Sampler(plan.seed, compile=plan.torch_compile)
+    if "ch02" in modules:
+        model_kernels = ch02.Kernels(modules["ch02"], rope_theta(plan.hf_config))
+    if "ch03" in modules:
+        backend = ch03.with_paged_kv(backend, modules["ch03"])
+        attention_metadata = ch03.attention_metadata(modules["ch03"])
+    if "ch02" in modules:  # over ch03's backend when both are used
+        backend = ch02.with_prompt_attention(backend, modules["ch02"])
+    if "ch04" in modules:
+        block_manager_class = ch04.block_manager_class(modules["ch04"])
+        scheduler_class = ch04.scheduler_class(modules["ch04"], scheduler_class)  # your admission pass (4.5)
+    if "ch05" in modules:  # your whole scheduling step (5.2), which admits by itself
+        scheduler_class = ch05.scheduler_class(modules["ch05"], scheduler_class)
+        sampler = ch05.LearnerSampler(modules["ch05"], plan.seed)
+    if "ch06" in modules:
+        graphs = ch06.graphs_factory(modules["ch06"])
+    if "ch07" in modules:
+        tp_group = ch07.group_wrapper(modules["ch07"])
+    return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
+                       attention_metadata, sampler)
+

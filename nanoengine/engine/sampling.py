@@ -1,0 +1,57 @@
+"""RequestSampler: each sampled row's next token, under its own request's parameters, on the driver. Chapter 05.
+
+The executor returns the logits of the rows that reach a sequence's last token; `sample(logits, seqs)` turns
+them into tokens: it lays the requests' parameters out as a `SamplingBatch` (per-row temperatures and
+filters, as tensors only when some row filters) and calls the sampler (`layers/sampler.py`, or the learner's).
+A request with a seed gets its own generator, seeded with seed + its completion index, kept until `release`
+(when it finishes or is aborted), so its samples do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoengine.engine.sequence import Sequence
+from nanoengine.layers.sampler import Sampler, SamplingBatch
+
+
+class RequestSampler:
+    def __init__(self, sampler: Sampler, vocab_size: int, device: torch.device) -> None:
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits [len(seqs), vocab] fp32 -> one token per sequence."""
+        return self.sampler(logits, self.batch(seqs)).tolist()
+
+    def batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.sampling_params for s in seqs]
+        gens = []
+        for s, p in zip(seqs, params):
+            if p.seed is not None and not p.greedy:
+                if s.seq_id not in self.generators:
+                    self.generators[s.seq_id] = torch.Generator().manual_seed(p.seed + s.index)
+                gens.append(self.generators[s.seq_id])
+            else:
+                gens.append(None)
+        any_k = any(p.top_k > 0 for p in params)
+        any_p = any(p.top_p < 1.0 for p in params)
+        any_min_p = any(p.min_p > 0.0 for p in params)
+
+        def rows(values: list, dtype: torch.dtype) -> torch.Tensor:  # [B] on the logits' device
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)  # no host sync
+
+        return SamplingBatch(
+            temperatures=rows([p.temperature for p in params], torch.float32),
+            top_ks=(rows([p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64)
+                    if any_k else None),
+            top_ps=rows([p.top_p for p in params], torch.float32) if any_p else None,
+            min_ps=rows([p.min_p for p in params], torch.float32) if any_min_p else None,
+            generators=gens, all_greedy=all(p.greedy for p in params),
+        )
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence's sampling state."""
+        self.generators.pop(seq.seq_id, None)

@@ -1,0 +1,381 @@
+"""EnginePlan: the user's EngineConfig resolved against the checkpoint and the machine, once, into concrete
+values. Chapters 00 and 06.
+
+`resolve_plan(config, hf_config, model_path, pieces)` is the one place that picks (an explicit choice is
+checked, and an option that cannot work here is an error saying why and what would work):
+- device: CUDA when it is there, else CPU;
+- dtype: the checkpoint's; on CPU float32 where bf16 has no fast matmul (no oneDNN bf16 here), bfloat16 for
+  float16 (fp16 matmuls have no fast path on CPU);
+- attention backend: on CPU `cpu` (the C++ kernels) if they are built or can be built here, else `torch`;
+  `triton` only when asked for, and only with TRITON_INTERPRET=1 set (its interpreter). On CUDA `flash_attn`
+  if it imports and can serve the config (fp16/bf16; block size unset or a multiple of 256), else `triton`,
+  else `torch`. Pieces of the learner's that run inside the model's forward take the torch backend;
+- block size: 256 for flash_attn, else 16 (`triton` takes any power of two, `torch` and `cpu` any size);
+- the KV pool: a block count when it is known before the model is built, else (CUDA) a share of GPU memory;
+- one decode mode (chapter 06): CUDA graphs on CUDA unless enforce_eager=True (or the backend cannot run in a
+  graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with the
+  `cpu` backend the whole layer stack in one C++ call; else eager;
+- torch.compile of the small fused ops and the sampler (default: on CUDA only).
+Resolving never compiles anything: it asks whether the CPU kernels are built or can be built here, whether
+triton is installed (and on CPU, whether its interpreter is on), and whether flash_attn imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from pathlib import Path
+from typing import Any
+
+from nanoengine.attention import flash_attn_backend, get_backend
+from nanoengine.config import EngineConfig
+from nanoengine.errors import InvalidValueError
+from nanoengine.kernels import cpu as cpu_kernels
+from nanoengine.kernels import triton_support
+from nanoengine.layers import linear
+from nanoengine.models import hf_config as shapes
+from nanoengine.pieces import NO_PIECES, PieceSelection
+
+# Block size each attention backend works best with (the torch backend gathers whole blocks; flash-attn's
+# paged KV cache needs a multiple of 256 tokens per block).
+DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16, "triton": 16, "flash_attn": 256}
+FLASH_ATTN_DTYPES = ("float16", "bfloat16")
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
+# Batches of up to this many rows multiply bf16 weight copies with the C++ kernel (layers.linear.use_bf16_weights):
+# on a CPU without a fast bf16 matmul the kernel beat the float32 matmul at 1..32 rows on weights streamed from
+# memory, and matched it on small cache-resident ones at 16-32 rows
+BF16_WEIGHT_MAX_ROWS = 32
+
+
+class DecodeMode(StrEnum):
+    """How a decode-only step runs (every other step runs eagerly). Chapter 06."""
+    CUDA_GRAPHS = "cuda_graphs"  # replay a CUDA graph captured per batch-size bucket
+    STAND_IN = "stand_in"  # the CPU stand-in of CUDA graphs: the same buckets, padding and static buffers
+    FUSED_CPU = "fused_cpu"  # every decoder layer in one C++ call (the CPU's analogue of a graph)
+    EAGER = "eager"  # layer by layer, as every other step
+
+
+@dataclass(frozen=True)
+class FixedKVBlocks:
+    """A KV pool of a block count known before the model is built (asked for, or from a byte budget)."""
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class GPUMemoryShare:
+    """A KV pool of what is left of `utilization` of the GPU after the weights, a warm-up forward at the
+    largest batch and the graphs (measured by each rank; the smallest pool wins), at most `max_blocks`."""
+    utilization: float
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything an engine is built and run with, each value concrete. Made by `resolve_plan`."""
+    model: str  # as the user named it
+    model_path: Path  # the checkpoint folder
+    hf_config: Any = field(repr=False, compare=False)  # the checkpoint's Hugging Face config
+    device: str  # "cpu" or "cuda" (rank r of a tensor-parallel engine on CUDA uses cuda:r)
+    dtype: str  # "float32", "bfloat16" or "float16"
+    attention_backend: str  # "torch", "cpu", "triton" or "flash_attn"
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    kv_cache: FixedKVBlocks | GPUMemoryShare
+    kv_bytes_per_block: int  # one block's K and V on one rank (its share of the KV heads)
+    decode_mode: DecodeMode
+    torch_compile: bool
+    prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
+    bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
+    tensor_parallel_size: int
+    dist_backend: str  # "nccl" when every rank has a GPU, else "gloo"
+    seed: int
+    trace: bool
+    pieces: PieceSelection  # the learner's pieces the engine runs on (empty: the engine's own)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table entries a sequence of max_model_len tokens needs."""
+        return -(-self.max_model_len // self.block_size)
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain JSON values (the benchmark's record)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "hf_config":
+                continue
+            if isinstance(value, Enum):
+                value = value.value
+            elif isinstance(value, Path):
+                value = str(value)
+            elif dataclasses.is_dataclass(value):
+                value = {"kind": type(value).__name__, **dataclasses.asdict(value)}
+            out[f.name] = value
+        return out
+
+
+def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
+                 pieces: PieceSelection = NO_PIECES) -> EnginePlan:
+    """Resolve what the user asked for against the checkpoint's config and this machine (see the module
+    docstring); `pieces` are the learner's pieces the engine is built with."""
+    import torch
+
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
+                                "'auto'")
+    check_tensor_parallel(config.tensor_parallel_size, device, hf_config)
+    dtype = pick_dtype(config.dtype, device, hf_config)
+    backend = pick_attention_backend(config, device, dtype, pieces)
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]
+    check_block_size(backend, block_size)
+    prepack = pick_prepack(config.prepack_weights, device, dtype)
+    torch_compile = pick_torch_compile(config, device, backend, pieces)
+    decode_mode = pick_decode_mode(config, device, backend, prepack, pieces)
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
+    max_model_len = config.max_model_len or model_max
+    if max_model_len > model_max:
+        raise InvalidValueError(f"EngineConfig: max_model_len={max_model_len} is longer than the model's "
+                                f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
+    tp = config.tensor_parallel_size
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    bytes_per_block = block_size * (shapes.kv_bytes_per_token(hf_config, itemsize) // tp)
+    kv_cache = kv_cache_size(config, device, bytes_per_block, max_model_len, block_size)
+    return EnginePlan(
+        model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
+        attention_backend=backend, block_size=block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=config.enable_prefix_caching, kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block,
+        decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
+        bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config), tensor_parallel_size=tp,
+        dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed, trace=config.trace, pieces=pieces)
+
+
+def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:
+    """Tensor parallelism splits attention heads, KV heads and the vocabulary evenly across ranks, and puts
+    one rank on each GPU: refuse a size that cannot, before any process starts."""
+    import torch
+
+    if tp == 1:
+        return
+    sizes = {"attention heads (num_attention_heads)": hf_config.num_attention_heads,
+             "KV heads (num_key_value_heads)": shapes.num_kv_heads(hf_config),
+             "vocabulary (vocab_size)": hf_config.vocab_size}
+    bad = [f"{n} {what}" for what, n in sizes.items() if n % tp]
+    if bad:
+        works = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
+        works = [d for d in works if d <= sizes["attention heads (num_attention_heads)"]]
+        raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} must divide the model's "
+                                f"{', '.join(bad)} evenly, since each rank holds an equal share; "
+                                f"sizes that work for this model: {', '.join(map(str, works))}")
+    if device == "cuda" and tp > torch.cuda.device_count():
+        raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
+                                f"{torch.cuda.device_count()} CUDA device(s) are visible; use "
+                                f"tensor_parallel_size <= {torch.cuda.device_count()} or device='cpu' (gloo, for "
+                                "learning and testing)")
+
+
+def pick_dtype(want: str, device: str, hf_config: Any) -> str:
+    dtype = want
+    if dtype == "auto":
+        dtype = str(shapes.checkpoint_dtype(hf_config)).removeprefix("torch.")
+        if device == "cpu" and dtype in ("float16", "bfloat16") and not linear.onednn_bf16_available():
+            # a CPU without AVX-512 or AMX has no fast 16-bit matmul: bf16 linears ran several times slower
+            # than float32 there (and so does most of a laptop's prefill)
+            dtype = "float32"
+    if device == "cpu" and dtype == "float16":
+        dtype = "bfloat16"  # fp16 matmuls have no fast path on CPU (orders of magnitude slower than bf16)
+    return dtype
+
+
+def pick_prepack(want: bool | None, device: str, dtype: str) -> bool:
+    if want is False:
+        return False
+    packable = device == "cpu" and dtype == "bfloat16" and linear.onednn_bf16_available()
+    if want and not packable:
+        raise InvalidValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
+                                "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")
+    return packable
+
+
+def bf16_weight_rows(device: str, backend: str, dtype: str, prepack: bool, hf_config: Any) -> int:
+    """Rows up to which linears use bf16 weight copies (`layers.linear.use_bf16_weights`), 0 for never: on CPU
+    with the C++ kernels, for a bf16 checkpoint run in float32 (the copy is exact), or in bf16 where oneDNN
+    has no bf16 path (prepack_weights is off: an AVX2-only CPU)."""
+    import torch
+
+    if device != "cpu" or backend != "cpu":
+        return 0
+    stored = shapes.checkpoint_dtype(hf_config)
+    if dtype == "float32" and stored == torch.bfloat16:
+        return BF16_WEIGHT_MAX_ROWS
+    if dtype == "bfloat16" and not prepack:
+        return BF16_WEIGHT_MAX_ROWS
+    return 0
+
+
+def pick_attention_backend(config: EngineConfig, device: str, dtype: str, pieces: PieceSelection) -> str:
+    """The backend for this device and dtype: 'auto' picks (see the module docstring), an explicit choice is
+    checked; both say why when a backend cannot run here."""
+    want = config.attention_backend
+    if pieces.forward_pieces:
+        allowed = pieces.attention_backends
+        if want == "auto" or (want in allowed and want != "cpu"):
+            return allowed[0] if want == "auto" else want
+        if want in allowed and device == "cpu":
+            return pick_cpu_kernels(want)
+        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs your {', '.join(pieces.forward_pieces)} "
+                                f"pieces into the {' or '.join(allowed)} attention backend, so "
+                                f"attention_backend={want!r} cannot be used with them; leave attention_backend="
+                                f"'auto' (or '{allowed[0]}')")
+    if want == "torch":
+        return want
+    if want == "triton":
+        problem = triton_support.problem(device)
+        if problem:
+            raise InvalidValueError(f"EngineConfig: attention_backend='triton' cannot run here: {problem}")
+        return want
+    if device == "cpu":
+        if want == "flash_attn":
+            raise InvalidValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' only; on "
+                                    "CPU use 'auto' (the C++ kernels), 'cpu', 'torch' or 'triton' "
+                                    "(TRITON_INTERPRET=1)")
+        return pick_cpu_kernels(want)
+    if want == "cpu":
+        raise InvalidValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA use "
+                                "'auto', 'flash_attn', 'triton' or 'torch'")
+    flash_problem = flash_attn_problem(flash_attn_backend.problem(), dtype, config.block_size)
+    if want == "flash_attn":
+        if flash_problem:
+            raise InvalidValueError(f"EngineConfig: attention_backend='flash_attn' cannot run here: "
+                                    f"{flash_problem}")
+        return want
+    if flash_problem is None:  # auto on CUDA
+        return "flash_attn"
+    triton_problem = triton_support.problem(device)
+    if triton_problem is None:
+        return "triton"
+    warnings.warn(f"nanoengine: neither flash_attn ({flash_problem}) nor triton ({triton_problem}) can run "
+                  "here; using the slower torch attention backend", stacklevel=4)
+    return "torch"
+
+
+def flash_attn_problem(import_problem: str | None, dtype: str, block_size: int | None) -> str | None:
+    """Why flash_attn cannot serve this config (import, dtype, block size), or None."""
+    if import_problem:
+        return f"{import_problem}; pip install flash-attn, or use attention_backend='triton'"
+    if dtype not in FLASH_ATTN_DTYPES:
+        return (f"flash-attn computes in float16 or bfloat16, not dtype={dtype!r}; use dtype='bfloat16' or "
+                "attention_backend='triton' (any dtype)")
+    if block_size is not None and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        return (f"flash-attn's paged KV cache needs a block size that is a multiple of "
+                f"{FLASH_ATTN_BLOCK_MULTIPLE}, not block_size={block_size}; leave block_size unset "
+                f"({DEFAULT_BLOCK_SIZE['flash_attn']}) or use attention_backend='triton' for smaller blocks")
+    return None
+
+
+def pick_cpu_kernels(want: str) -> str:
+    """'cpu' (the C++ kernels) on CPU when they are built or can be built here, else 'torch'."""
+    problem = cpu_kernels.build_problem()
+    if problem is None:
+        return "cpu"
+    if want == "cpu":
+        raise InvalidValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
+                                "install a C++ compiler or use attention_backend='torch'")
+    warnings.warn(f"nanoengine: the CPU kernels cannot be built here ({problem}); using the slower torch "
+                  "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=5)
+    return "torch"
+
+
+def check_block_size(backend: str, block_size: int) -> None:
+    """A block size the chosen backend can use, or an error saying what would work (flash_attn's was
+    checked when it was picked)."""
+    if backend == "triton" and block_size & (block_size - 1):
+        lower = 1 << (block_size.bit_length() - 1)
+        raise InvalidValueError(f"EngineConfig: attention_backend='triton' needs a power-of-two block_size, not "
+                                f"{block_size}; use {lower} or {lower * 2} (default {DEFAULT_BLOCK_SIZE['triton']})")
+
+
+def pick_torch_compile(config: EngineConfig, device: str, backend: str, pieces: PieceSelection) -> bool:
+    if pieces.forward_pieces and config.torch_compile:
+        raise InvalidValueError(f"EngineConfig: torch_compile=True compiles the engine's own norm and rotary ops, "
+                                f"but {pieces.option} runs yours; leave torch_compile unset")
+    if config.torch_compile is None:
+        return device == "cuda" and not pieces.forward_pieces
+    if config.torch_compile and backend == "cpu":
+        raise InvalidValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' "
+                                "already runs as fused C++ kernels; use attention_backend='torch' to compile them "
+                                "instead, or leave torch_compile unset")
+    return config.torch_compile
+
+
+def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: bool,
+                     pieces: PieceSelection) -> DecodeMode:
+    """How decode steps run, decided once (chapter 06; see DecodeMode)."""
+    if config.graph_stand_in and device != "cpu":
+        raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA "
+                                "the engine captures real graphs (leave graph_stand_in=False; enforce_eager=True "
+                                "turns them off)")
+    if pieces.graph_pieces and (device != "cpu" or config.enforce_eager):
+        names = ", ".join(map(repr, pieces.graph_pieces))
+        raise InvalidValueError(f"EngineConfig: use_exercises with {names} runs decode steps through your "
+                                "stand-in graphs, which run on device='cpu' only and not with enforce_eager=True; "
+                                f"drop {names} or use device='cpu' without enforce_eager")
+    if config.graph_stand_in and config.enforce_eager:
+        raise InvalidValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
+                                "enforce_eager=True forbids graphs; pick one")
+    if config.graph_stand_in or pieces.graph_pieces:  # the learner's graphs are stand-ins
+        return DecodeMode.STAND_IN
+    if device == "cuda" and not config.enforce_eager:
+        if not get_backend(backend).cuda_graphs:
+            warnings.warn(f"nanoengine: attention_backend={backend!r} cannot run inside a CUDA graph (its store "
+                          "decides on the host which slots to skip), so decode steps run eagerly; use "
+                          "attention_backend='triton' for CUDA graphs, or enforce_eager=True to say so",
+                          stacklevel=4)
+            return DecodeMode.EAGER
+        # the learner's pieces inside the model run eagerly (their Python may read tensors on the host)
+        return DecodeMode.EAGER if pieces.forward_pieces else DecodeMode.CUDA_GRAPHS
+    # the fused step mirrors the engine's own layers on one rank, with its bf16 weight copies
+    if (device == "cpu" and backend == "cpu" and not config.enforce_eager and not pieces
+            and config.tensor_parallel_size == 1 and not prepack):
+        return DecodeMode.FUSED_CPU
+    return DecodeMode.EAGER
+
+
+def kv_cache_size(config: EngineConfig, device: str, bytes_per_block: int, max_model_len: int,
+                  block_size: int) -> FixedKVBlocks | GPUMemoryShare:
+    """How many KV blocks each rank holds: num_kvcache_blocks as asked; else from kv_cache_memory_gb (per
+    rank), or on CPU the default pool shared by the ranks; on CUDA what memory is left (measured later)."""
+    if config.num_kvcache_blocks is not None:
+        return FixedKVBlocks(config.num_kvcache_blocks)
+    most = config.max_num_seqs * -(-max_model_len // block_size)  # every sequence at full length
+    if config.kv_cache_memory_gb is not None:
+        budget = config.kv_cache_memory_gb * 2**30
+    elif device == "cuda":
+        return GPUMemoryShare(config.gpu_memory_utilization, most)
+    else:
+        budget = CPU_KV_CACHE_GB * 2**30 / config.tensor_parallel_size  # the ranks share the host's memory
+    return FixedKVBlocks(kv_blocks_within(budget, bytes_per_block, most))
+
+
+def kv_blocks_within(budget: float, bytes_per_block: int, most: int) -> int:
+    """Blocks that fit `budget` bytes, at most `most`; an error when not even one does."""
+    num_blocks = min(int(budget // bytes_per_block), most)
+    if num_blocks < 1:
+        raise InvalidValueError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); lower "
+                                "gpu_memory_utilization's reservation or set kv_cache_memory_gb")
+    return num_blocks

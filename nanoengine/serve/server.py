@@ -1,0 +1,160 @@
+"""The server process: `Server` loads the model's engine, starts its thread, builds the app (`routes.py`) and
+runs uvicorn on a bound socket (clean shutdown): `run()` in the foreground (`nanoengine serve`, through
+`serve()`) or `start()` / `with Server(...)` from a background thread (the book). Chapter 05 (appendix).
+
+Shutdown (SIGINT/SIGTERM): new requests get 503, the in-flight ones have `shutdown_grace_s` to finish, then
+are aborted (their streams end with finish_reason "abort"), and the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import prometheus_client
+import uvicorn
+
+from nanoengine.serve.async_engine import AsyncEngine
+from nanoengine.serve.protocol import ProtocolError
+from nanoengine.serve.routes import build_app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: one the OS picks), so the printed address is the real one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ProtocolError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                            "(0 lets the OS choose)", "port") from e
+    sock.listen(2048)
+    return sock
+
+
+class Server:
+    """The whole server in this process: the model's engine, its thread, the app, uvicorn on a bound socket.
+    `run()` serves in the foreground until SIGINT/SIGTERM (`nanoengine serve`); `start()` serves from a
+    background thread (a notebook, a test) until `stop()`, or use it as a context manager:
+
+        with Server("tiny-qwen3", port=0) as server:
+            client = OpenAI(base_url=server.url, api_key="none")
+    """
+
+    def __init__(self, model: str, host: str = "127.0.0.1", port: int = 8000, *,
+                 served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
+                 log_level: str = "info", engine_options: dict[str, Any] | None = None) -> None:
+        from nanoengine.launch import build_engine
+        from nanoengine.serve.metrics import ServerMetrics
+
+        if (isinstance(shutdown_grace_s, bool) or not isinstance(shutdown_grace_s, (int, float))
+                or not shutdown_grace_s >= 0):
+            raise ProtocolError(f"shutdown_grace_s must be >= 0 seconds, got {shutdown_grace_s!r}",
+                                "shutdown_grace")
+        self.sock = _bind(host, port)
+        try:
+            self.llm_engine = build_engine(model, **(engine_options or {}))
+        except BaseException:
+            self.sock.close()
+            raise
+        prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
+        self.name = served_model_name or str(model)
+        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace)
+        config = uvicorn.Config(build_app(self.engine, self.name), log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
+        self.grace_s = shutdown_grace_s
+        self.uvicorn = _Uvicorn(config, self.engine, shutdown_grace_s)
+        url_host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"  # what the openai client takes
+        self._thread: threading.Thread | None = None
+
+    def describe(self) -> str:
+        """The startup line: the served name, the URL, the engine's device and dtype, its KV blocks."""
+        plan = self.llm_engine.plan
+        device, dtype = plan.device, plan.dtype
+        blocks = self.llm_engine.block_manager.num_blocks
+        return f"{self.name} on {self.url} ({device}, {dtype}, {blocks} KV blocks)"
+
+    def run(self) -> int:
+        """Serve until SIGINT/SIGTERM; returns the exit status."""
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:
+            self._close()
+        return 0
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve from a background thread; returns once uvicorn is up."""
+        self._thread = threading.Thread(target=self.run, name="nanoengine-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start (see its log above)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """As SIGTERM does: no new requests, the running ones get the grace period, then uvicorn exits."""
+        if self._thread is None:
+            return
+        self.engine.begin_shutdown(self.grace_s)
+        self.uvicorn.should_exit = True
+        self._thread.join(self.grace_s + 10)
+        self._thread = None
+
+    def _close(self) -> None:
+        self.engine.stop()
+        self.llm_engine.close()
+        self.sock.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> int:
+    """`nanoengine serve`: load the model, listen, serve until SIGINT/SIGTERM; returns the exit status.
+    options: those of Server."""
+    server = Server(model, host, port, **options)
+    print(f"nanoengine serve: {server.describe()}", flush=True)
+    code = server.run()
+    print("nanoengine serve: stopped", file=sys.stderr, flush=True)
+    return code
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's Server, told about the engine: on the first SIGINT/SIGTERM the engine stops taking requests
+    and aborts the in-flight ones after the grace period; a second SIGINT exits at once (uvicorn's rule)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.engine.begin_shutdown(self.grace_s)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """As uvicorn's, without re-raising the signal after the clean shutdown (so the exit status is 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handlers = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
