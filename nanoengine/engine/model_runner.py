@@ -25,6 +25,7 @@ import torch
 
 from nanoengine.attention import AttentionMetadata
 from nanoengine.engine.inputs import ModelInput
+from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.layers.linear import prepack_weights, use_bf16_weights
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models import get_model_class, hf_config
@@ -71,8 +72,8 @@ class ModelRunner:
         self.model.eval()
         if plan.prepack_weights:
             prepack_weights(self.model)
-        if plan.bf16_weight_rows:
-            use_bf16_weights(self.model, parts.kernels, plan.bf16_weight_rows)
+        if plan.bf16_weight_rows:  # the C++ extension's bf16_linear (whatever kernels the norms use)
+            use_bf16_weights(self.model, cpu_kernels.load(), plan.bf16_weight_rows)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf_config.num_kv_heads(hf) // self.tp.size  # this rank's KV heads
         self.head_dim = hf_config.head_dim(hf)
@@ -85,7 +86,7 @@ class ModelRunner:
                 self.graphs = self.make_graphs()
                 self.graphs.capture()
             case DecodeMode.FUSED_CPU:  # built on the caches just bound
-                self.fused = FusedDecode(self.model, parts.kernels)
+                self.fused = FusedDecode(self.model, cpu_kernels.load())
 
     # ------------------------------------------------------------------------------------------ KV cache
     def allocate_kv_cache(self) -> int:
