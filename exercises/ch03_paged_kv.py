@@ -65,7 +65,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
     """Exercise 3.4: attention of one new query token per sequence over that sequence's cached tokens.
 
     q [B, H, D]; block_tables [B, max_blocks] int64 (rows padded with junk block ids past each sequence's

@@ -73,10 +73,12 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
 
 @dataclass
 class FlatBatch:
-    """One step's model inputs as plain lists (the fields of the engine's ModelInput and AttentionMetadata)."""
+    """One step's model inputs as plain lists (the fields of the engine's ModelInput and
+    AttentionMetadata)."""
     input_ids: list[int] = field(default_factory=list)  # one row per new token: decodes first, then chunks
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)  # cache slot of each row, -1 if a cached block holds it
+    # cache slot of each row, -1 if a cached block holds it
+    slot_mapping: list[int] = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)  # one row per decode, padded with 0
     decode_context_lens: list[int] = field(default_factory=list)  # tokens each decode attends over
     prefill_query_starts: list[int] = field(default_factory=list)  # first row of each prefill chunk

@@ -68,8 +68,9 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
 class StandInGraphs:
     """Exercise 6.3: one recorded forward per bucket over static buffers, replayed on them.
 
-    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (plan the attention,
-    run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was captured, so:
+    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (plan the
+    attention, run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was
+    captured, so:
     - __init__ allocates the static buffers once, sized for the largest bucket: the five of exercise 6.2
       (slot_mapping filled with -1) in `self.bufs`, and `self.out` [max_bucket, hidden_size] of `dtype`;
       `self.used_width = 0`;
@@ -93,8 +94,9 @@ class StandInGraphs:
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
-        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward, return its rows."""
-        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward, return its rows - see book/06_cuda_graphs.ipynb")
+        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward,
+        return its rows."""
+        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward, - see book/06_cuda_graphs.ipynb")
 
 
 def count_ops(fn: Callable[[], object]) -> Counter[str]:
@@ -108,7 +110,8 @@ def count_ops(fn: Callable[[], object]) -> Counter[str]:
     raise NotImplementedError("Exercise 6.4: the aten ops that calling `fn()` dispatches, counted by name - see book/06_cuda_graphs.ipynb")
 
 
-def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float, bandwidth_gbs: float) -> dict[str, float]:
+def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
+                    bandwidth_gbs: float) -> dict[str, float]:
     """Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there.
 
     overhead_ms = num_ops x per_op_us (the host's cost of dispatching each op, whatever its size), in ms;

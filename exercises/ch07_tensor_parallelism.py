@@ -57,7 +57,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     raise NotImplementedError("Exercise 7.3: a row-parallel linear layer over `size` simulated ranks - see book/07_tensor_parallelism.ipynb")
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank: int,
+                             size: int) -> torch.Tensor:
     """Exercise 7.4: this rank's part of an embedding lookup over a vocabulary split in `size` equal shards.
 
     weight_shard [vocab / size, dim] holds vocabulary rows rank * vocab / size .. (rank + 1) * vocab / size.

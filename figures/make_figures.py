@@ -53,7 +53,8 @@ class Run:
 
 
 def run_pool_pressure() -> Run:
-    """tiny-qwen3, 12 blocks of 16 tokens, 4 seqs at a time: prefix sharing, cached-free blocks, a preemption."""
+    """tiny-qwen3, 12 blocks of 16 tokens, 4 seqs at a time: prefix sharing, cached-free blocks, a
+    preemption."""
     from nanoengine import LLM, SamplingParams
 
     llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=64,
@@ -126,7 +127,8 @@ def fig_preemption(run: Run):
 
     steps = [s.step for s in run.trace.steps if s.preempted]
     if not steps:
-        raise RuntimeError("the pool-pressure run had no preemption; shrink num_kvcache_blocks in run_pool_pressure")
+        raise RuntimeError("the pool-pressure run had no preemption; shrink num_kvcache_blocks in "
+                           "run_pool_pressure")
     p = steps[0]
     readmit = next((s.step for s in run.trace.steps[p + 1:]
                     if any(sid in run.trace.steps[p].preempted for sid, _ in s.cache_hits)), p + 1)
@@ -137,8 +139,9 @@ def fig_preemption(run: Run):
         plot_block_table(run.trace, s, ax=ax, table_rows=rows)
     victims = run.trace.steps[p].preempted
     hits = sum(n for sid, n in run.trace.steps[shown[-1]].cache_hits if sid in victims)
-    fig.suptitle(f"Preemption by recomputation: seq {', '.join(map(str, victims))} loses all its blocks at step "
-                 f"{p} and is readmitted at step {shown[-1]} with {hits} prefix-cache hit tokens", fontsize=10)
+    fig.suptitle(f"Preemption by recomputation: seq {', '.join(map(str, victims))} loses all its blocks at "
+                 f"step {p} and is readmitted at step {shown[-1]} with {hits} prefix-cache hit tokens",
+                 fontsize=10)
     return fig
 
 
@@ -171,8 +174,8 @@ def fig_timeline(run: Run):
     plot_batch_composition(run.trace, ax=ax_bars, step=step)
     plot_kv_usage(run.trace, ax=ax_kv, step=step)
     ax_bars.set_xlabel("")
-    fig.suptitle(f"Step timeline at step {step} of {len(run.trace)}: the widget `show_timeline(llm.trace)` as "
-                 "one picture", fontsize=11)
+    fig.suptitle(f"Step timeline at step {step} of {len(run.trace)}: the widget "
+                 "`show_timeline(llm.trace)` as one picture", fontsize=11)
     return fig
 
 

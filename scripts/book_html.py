@@ -82,7 +82,8 @@ def write_index(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("chapters", nargs="*", help="chapter numbers or names (default: every chapter)")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"output folder (default: {OUT.relative_to(ROOT)})")
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help=f"output folder (default: {OUT.relative_to(ROOT)})")
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S, help="seconds allowed per cell")
     args = parser.parse_args(argv)
     # the kernels inherit this environment, as in tests/test_notebooks.py: the check cells run the reference

@@ -27,7 +27,8 @@ from nanoengine.bench.hardware import memory_bandwidth_gbs
 from nanoengine.kernels import triton_support
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 12, "1, 2, 3,", "Once upon a time",
-           "The quick brown fox jumps over the lazy dog. " * 12 + "And then"]  # the last hits the 2nd's prefix
+           # the last hits the 2nd's prefix
+           "The quick brown fox jumps over the lazy dog. " * 12 + "And then"]
 
 
 def available(backend: str, device: str) -> str | None:
@@ -47,8 +48,8 @@ def correctness(device: str, models: list[str], max_tokens: int) -> list[dict]:
             want = None
             for backend in ("torch", "triton", "flash_attn"):
                 row = {"model": model, "dtype": dtype, "backend": backend}
-                why = available(backend, device) or ("flash-attn has no float32"
-                                                     if backend == "flash_attn" and dtype == "float32" else None)
+                why = available(backend, device) or (
+                    "flash-attn has no float32" if backend == "flash_attn" and dtype == "float32" else None)
                 if why:
                     rows.append({**row, "result": f"skipped: {why}"})
                     continue
@@ -117,7 +118,8 @@ def decode_cases(batch: int, context: int, device: str, gen: torch.Generator) ->
         from flash_attn import flash_attn_with_kvcache
 
         fq, fk, fv, ft, fl = decode_inputs(batch, context, 256, KV_HEADS, HEAD_DIM, HEADS, DTYPE, device, gen)
-        fk, fv = fk.permute(1, 2, 0, 3).contiguous(), fv.permute(1, 2, 0, 3).contiguous()  # [blocks, bs, kvh, d]
+        # [blocks, bs, kvh, d]
+        fk, fv = fk.permute(1, 2, 0, 3).contiguous(), fv.permute(1, 2, 0, 3).contiguous()
         ft, fl = ft.int(), fl.int()
         cases["flash_attn (block 256)"] = lambda: flash_attn_with_kvcache(
             fq.unsqueeze(1), fk, fv, cache_seqlens=fl, block_table=ft, softmax_scale=scale, causal=True)
@@ -148,10 +150,13 @@ def speed(device: str, batches: list[int], contexts: list[int], iters: int) -> t
 def markdown(check: list[dict], bench: list[dict], peak: float, env: dict) -> str:
     lines = [f"# Attention backends: {env.get('gpu', env['device'])}, torch {env['torch']}, "
              f"triton {env.get('triton')}, flash_attn {env.get('flash_attn')}", "",
-             "## Greedy tokens against the torch backend", "", "| model | dtype | backend | result |", "|---|---|---|---|"]
+             "## Greedy tokens against the torch backend", "", "| model | dtype | backend | result |",
+             "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['result']} |" for r in check]
-    lines += ["", f"## Decode attention (16 q heads, 8 KV heads, head_dim 128, bf16); copy bandwidth {peak:.0f} GB/s",
-              "", "| backend | batch | context | us | K/V GB/s | fraction of copy bandwidth |", "|---|---|---|---|---|---|"]
+    lines += ["", "## Decode attention (16 q heads, 8 KV heads, head_dim 128, bf16); copy bandwidth "
+              f"{peak:.0f} GB/s",
+              "", "| backend | batch | context | us | K/V GB/s | fraction of copy bandwidth |",
+              "|---|---|---|---|---|---|"]
     for r in bench:
         if "error" in r:
             lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | error: {r['error']} | | |")
@@ -183,8 +188,8 @@ def main() -> None:
         bench, peak = speed(device, [1, 32, 256], [512, 4096], iters=20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_check.json").write_text(json.dumps({"env": env, "correctness": check, "decode_speed": bench,
-                                                          "copy_bandwidth_GBps": peak}, indent=1))
+    (out / "attention_check.json").write_text(json.dumps(
+        {"env": env, "correctness": check, "decode_speed": bench, "copy_bandwidth_GBps": peak}, indent=1))
     table = markdown(check, bench, peak, env)
     (out / "attention_check.md").write_text(table)
     print(table)

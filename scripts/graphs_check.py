@@ -1,4 +1,5 @@
-"""Chapter 06's checks of CUDA graphs and torch.compile, in one run; writes graphs_check.md and .json into --out.
+"""Chapter 06's checks of CUDA graphs and torch.compile, in one run; writes graphs_check.md and .json
+into --out.
 
 - ops: each compiled op against its eager self (RMSNorm with residual, SiLU-and-mul, rotary at Qwen3-0.6B's
   shapes for 1, 32 and 256 tokens; the sampler's distribution at batch 32 over Qwen3's vocabulary), median
@@ -7,9 +8,9 @@
   smollm2, float32 and bfloat16, through batch changes;
 - decode (CUDA): one decode step (forward + logits) eager vs graphs at batch 1, 8, 32, 128 (context 512) on
   qwen3-0.6b-shape in bfloat16.
-Usage: python scripts/graphs_check.py --out DIR [--only ops,tokens,decode] [--smoke: on CPU, tokens and decode on
-tiny-qwen3 through the graphs' stand-in, to check the script itself]. The nano-vllm workload with graphs
-is `nanoengine bench` (graphs are the default on CUDA); scripts/gpu_check.sh runs both.
+Usage: python scripts/graphs_check.py --out DIR [--only ops,tokens,decode] [--smoke: on CPU, tokens and
+decode on tiny-qwen3 through the graphs' stand-in, to check the script itself]. The nano-vllm workload
+with graphs is `nanoengine bench` (graphs are the default on CUDA); scripts/gpu_check.sh runs both.
 """
 
 from __future__ import annotations
@@ -77,15 +78,16 @@ def check_ops(device: torch.device) -> list[dict]:
         top_ps = torch.full((32,), 0.9, device=device)
         compiled_cdf = torch.compile(sampling_cdf, dynamic=True)
         args = (logits, temps, None, top_ps, None)
-        e, c = median_ms(sampling_cdf, args, device, iters=10), median_ms(compiled_cdf, args, device, iters=10)
+        e, c = (median_ms(sampling_cdf, args, device, iters=10),
+                median_ms(compiled_cdf, args, device, iters=10))
         rows.append({"op": "sampler cdf (top-p)", "tokens": 32, "dtype": "torch.float32", "eager_ms": e,
                      "compiled_ms": c})
     return rows
 
 
 # engine options per mode; on CPU (--smoke) the graphs are the stand-in and the torch backend is compiled
-MODES = {"cuda": {"eager": {"enforce_eager": True, "torch_compile": False}, "graphs": {"torch_compile": False},
-                  "compiled": {"torch_compile": True}},
+MODES = {"cuda": {"eager": {"enforce_eager": True, "torch_compile": False},
+                  "graphs": {"torch_compile": False}, "compiled": {"torch_compile": True}},
          "cpu": {"eager": {"attention_backend": "torch"},
                  "graphs": {"attention_backend": "torch", "graph_stand_in": True},
                  "compiled": {"attention_backend": "torch", "graph_stand_in": True, "torch_compile": True}}}
@@ -102,7 +104,8 @@ def agreement(a: list, b: list) -> float:
     return same / max(1, sum(map(len, a)))
 
 
-def check_tokens(device: str, models=("tiny-qwen3", "smollm2-135m"), dtypes=("float32", "bfloat16")) -> list[dict]:
+def check_tokens(device: str, models=("tiny-qwen3", "smollm2-135m"),
+                 dtypes=("float32", "bfloat16")) -> list[dict]:
     rows = []
     mode = MODES[device]
     for model in models:
@@ -174,11 +177,12 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", default="ops,tokens,decode", help="comma-separated: ops, tokens, decode")
     ap.add_argument("--smoke", action="store_true",
-                    help="on CPU: tokens and decode on tiny-qwen3 through the graphs' stand-in (checks this script)")
+                    help="on CPU: tokens and decode on tiny-qwen3 through the graphs' stand-in "
+                         "(checks this script)")
     args = ap.parse_args()
     want = set(args.only.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

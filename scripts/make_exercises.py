@@ -59,7 +59,8 @@ def stub_source(solution: Path, book_dir: Path | None = None) -> str:
                 label = lm
             if stripped == BEGIN:
                 if label is None:
-                    raise MarkerError(f"{solution}:{no}: {BEGIN} without an 'Exercise N.k: ...' line above it")
+                    raise MarkerError(f"{solution}:{no}: {BEGIN} without an 'Exercise N.k: ...' line "
+                                      "above it")
                 if label.group(1) != str(int(nn)):
                     raise MarkerError(f"{solution}:{no}: Exercise {label.group(1)}.{label.group(2)} "
                                       f"in chapter {nn}'s file")
@@ -116,7 +117,8 @@ def check(root: Path = ROOT) -> list[str]:
     return problems
 
 
-def write(out_dir: Path, solutions_dir: Path = ROOT / "solutions", book_dir: Path | None = None) -> list[Path]:
+def write(out_dir: Path, solutions_dir: Path = ROOT / "solutions",
+          book_dir: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in generate(solutions_dir, book_dir).items():
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             print(p, file=sys.stderr)
         if problems:
             print("\nexercises/ is out of sync: run `python scripts/make_exercises.py` (this overwrites "
-                  "exercises/; a learner's filled-in exercises make this check fail on purpose)", file=sys.stderr)
+                  "exercises/; a learner's filled-in exercises make this check fail on purpose)",
+                  file=sys.stderr)
             return 1
         print(f"exercises/ in sync with solutions/ ({len(generate())} chapters)")
         return 0

@@ -83,7 +83,7 @@ def encode(text: str, ranks: dict[bytes, int]) -> list[int]:
 
 def detokenize_incrementally(decode: Callable[[list[int]], str], token_ids: list[int], prefix_offset: int,
                              read_offset: int) -> tuple[str, int, int]:
-    """Exercise 1.3: the text delta of the newest token, with two offsets: (delta, prefix_offset, read_offset).
+    """Exercise 1.3: the text delta of the newest token, with two offsets: (delta, prefix_offset, read_offset)
 
     `token_ids` are all the ids so far, the new one last; `decode(ids)` is the tokenizer's decode. The text of
     token_ids[:read_offset] has been emitted already; token_ids[prefix_offset:read_offset] is a few tokens of

@@ -35,7 +35,8 @@ def batch_slot_mapping(scheduled: list[Any], block_size: int) -> list[int]:
     """
     # BEGIN SOLUTION
     slots = []
-    for group in ([s for s in scheduled if s.num_new_tokens == 1], [s for s in scheduled if s.num_new_tokens > 1]):
+    for group in ([s for s in scheduled if s.num_new_tokens == 1],
+                  [s for s in scheduled if s.num_new_tokens > 1]):
         for s in group:
             seq, start = s.seq, s.seq.num_computed_tokens
             for p in range(start, start + s.num_new_tokens):
@@ -96,7 +97,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
     """Exercise 3.4: attention of one new query token per sequence over that sequence's cached tokens.
 
     q [B, H, D]; block_tables [B, max_blocks] int64 (rows padded with junk block ids past each sequence's

@@ -68,7 +68,8 @@ def count_cached_tokens(token_ids: list[int], cached: dict[int, list[int]], bloc
 
 
 class PrefixCachingAllocator:
-    """A small model of nanoengine's BlockManager: blocks, ref counts, a hash -> block map, an LRU free list."""
+    """A small model of nanoengine's BlockManager: blocks, ref counts, a hash -> block map, an LRU free
+    list."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size

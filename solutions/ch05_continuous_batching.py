@@ -100,7 +100,8 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
         while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
             seq = sched.waiting[j]
             first = seq.wait_for
-            if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
+            if (first is not None and not first.is_finished
+                    and first.num_computed_tokens < first.num_prompt_tokens):
                 j += 1
                 continue
             hits = bm.match_prefix(seq)
@@ -128,10 +129,12 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
 
 @dataclass
 class FlatBatch:
-    """One step's model inputs as plain lists (the fields of the engine's ModelInput and AttentionMetadata)."""
+    """One step's model inputs as plain lists (the fields of the engine's ModelInput and
+    AttentionMetadata)."""
     input_ids: list[int] = field(default_factory=list)  # one row per new token: decodes first, then chunks
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)  # cache slot of each row, -1 if a cached block holds it
+    # cache slot of each row, -1 if a cached block holds it
+    slot_mapping: list[int] = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)  # one row per decode, padded with 0
     decode_context_lens: list[int] = field(default_factory=list)  # tokens each decode attends over
     prefill_query_starts: list[int] = field(default_factory=list)  # first row of each prefill chunk
@@ -172,7 +175,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
                 flat.input_ids.append(seq.token_ids[pos])
                 flat.positions.append(pos)
                 block = seq.block_table[pos // block_size]
-                flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens else block * block_size + pos % block_size)
+                flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens
+                                         else block * block_size + pos % block_size)
             if start + n == seq.num_tokens:
                 flat.sample_rows.append(len(flat.input_ids) - 1)
                 flat.sample_seq_ids.append(seq.seq_id)

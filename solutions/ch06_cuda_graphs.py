@@ -86,8 +86,9 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
 class StandInGraphs:
     """Exercise 6.3: one recorded forward per bucket over static buffers, replayed on them.
 
-    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (plan the attention,
-    run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was captured, so:
+    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (plan the
+    attention, run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was
+    captured, so:
     - __init__ allocates the static buffers once, sized for the largest bucket: the five of exercise 6.2
       (slot_mapping filled with -1) in `self.bufs`, and `self.out` [max_bucket, hidden_size] of `dtype`;
       `self.used_width = 0`;
@@ -105,7 +106,8 @@ class StandInGraphs:
         # BEGIN SOLUTION
         self.forward, self.buckets, self.block_size = forward, sorted(buckets), block_size
         n = self.buckets[-1]
-        self.bufs = {"input_ids": torch.zeros(n, dtype=torch.int64), "positions": torch.zeros(n, dtype=torch.int64),
+        self.bufs = {"input_ids": torch.zeros(n, dtype=torch.int64),
+                     "positions": torch.zeros(n, dtype=torch.int64),
                      "slot_mapping": torch.full((n,), -1, dtype=torch.int64),
                      "context_lens": torch.zeros(n, dtype=torch.int64),
                      "block_tables": torch.zeros(n, max_blocks, dtype=torch.int64)}
@@ -121,7 +123,8 @@ class StandInGraphs:
         b = self.bufs
         for bs in sorted(self.buckets, reverse=True):
             meta = AttentionMetadata(slot_mapping=b["slot_mapping"][:bs], num_decode_seqs=bs,
-                                     decode_block_tables=b["block_tables"][:bs], decode_context_lens=b["context_lens"][:bs],
+                                     decode_block_tables=b["block_tables"][:bs],
+                                     decode_context_lens=b["context_lens"][:bs],
                                      prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[],
                                      prefill_block_tables=[], block_size=self.block_size)
             step_inp = ModelInput(b["input_ids"][:bs], b["positions"][:bs], meta)
@@ -136,7 +139,8 @@ class StandInGraphs:
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
-        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward, return its rows."""
+        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward,
+        return its rows."""
         # BEGIN SOLUTION
         n = inp.num_tokens
         bs = pick_bucket(self.buckets, n)
@@ -168,7 +172,8 @@ def count_ops(fn: Callable[[], object]) -> Counter[str]:
     # END SOLUTION
 
 
-def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float, bandwidth_gbs: float) -> dict[str, float]:
+def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
+                    bandwidth_gbs: float) -> dict[str, float]:
     """Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there.
 
     overhead_ms = num_ops x per_op_us (the host's cost of dispatching each op, whatever its size), in ms;

@@ -46,13 +46,15 @@ def shard_qkv(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Te
     """
     # BEGIN SOLUTION
     if num_heads % size or num_kv_heads % size:
-        raise ValueError(f"{size} ranks cannot split {num_heads} query heads and {num_kv_heads} KV heads evenly")
+        raise ValueError(f"{size} ranks cannot split {num_heads} query heads and {num_kv_heads} KV heads "
+                         "evenly")
 
     def heads(w: torch.Tensor, n: int) -> torch.Tensor:
         per_rank = n // size * head_dim
         return w[rank * per_rank:(rank + 1) * per_rank]
 
-    return torch.cat([heads(q_weight, num_heads), heads(k_weight, num_kv_heads), heads(v_weight, num_kv_heads)])
+    return torch.cat([heads(q_weight, num_heads), heads(k_weight, num_kv_heads),
+                      heads(v_weight, num_kv_heads)])
     # END SOLUTION
 
 
@@ -79,7 +81,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     # END SOLUTION
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank: int,
+                             size: int) -> torch.Tensor:
     """Exercise 7.4: this rank's part of an embedding lookup over a vocabulary split in `size` equal shards.
 
     weight_shard [vocab / size, dim] holds vocabulary rows rank * vocab / size .. (rank + 1) * vocab / size.

@@ -102,7 +102,8 @@ def workload_flops(shape: ModelShape, prompt_lens: Sequence[int], output_lens: S
     # END SOLUTION
 
 
-def static_batch_waste(prompt_lens: Sequence[int], output_lens: Sequence[int], batch_size: int) -> dict[str, float]:
+def static_batch_waste(prompt_lens: Sequence[int], output_lens: Sequence[int],
+                       batch_size: int) -> dict[str, float]:
     """Exercise 8.3: the positions static batches compute, the useful ones, and the fraction wasted.
 
     The requests, in the given order (nothing sorted), run in batches of `batch_size` (the last may be
@@ -132,7 +133,8 @@ def decode_step_cost(shape: ModelShape, context_lens: Sequence[int], gemm_gflops
               context's keys and values read (shape.kv_bytes_per_position x context) and its new key and value
               written (shape.kv_bytes_per_position);
       compute_s = flops / (gemm_gflops x 1e9), memory_s = bytes / (memory_gbs x 1e9), and the step cannot take
-      less than limit_s = the larger of the two. Return {"flops", "bytes", "compute_s", "memory_s", "limit_s"}.
+      less than limit_s = the larger of the two.
+      Return {"flops", "bytes", "compute_s", "memory_s", "limit_s"}.
     """
     # BEGIN SOLUTION
     s = shape

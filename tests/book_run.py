@@ -20,8 +20,8 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 def browser_problem() -> str | None:
     """What the browser test lacks here (with how to get it), or None when it can run."""
     if importlib.util.find_spec("playwright") is None:
-        return ("the playwright package: PIP_CONSTRAINT=constraints.txt .venv/bin/pip install playwright (it is in "
-                "the dev extra: make setup)")
+        return ("the playwright package: PIP_CONSTRAINT=constraints.txt .venv/bin/pip install playwright "
+                "(it is in the dev extra: make setup)")
     if importlib.util.find_spec("jupyterlab") is None:
         return "JupyterLab: make setup"
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):

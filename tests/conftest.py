@@ -26,7 +26,8 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# --impl for the exercise tests (tests/exercises/conftest.py reads it), here so that it also works from the root
+# --impl for the exercise tests (tests/exercises/conftest.py reads it), here so that it also works from the
+# root
 def pytest_addoption(parser):
     parser.addoption("--impl", default=None,
                      help="chapter modules to test: exercises (default), solutions, or a folder path "

@@ -15,7 +15,8 @@ def tiny_hf_config():
 
 
 def plan_of(hf_config: Any = None, **options: Any):
-    """The EnginePlan build_engine would make of these options for a model config (tiny-qwen3's by default)."""
+    """The EnginePlan build_engine would make of these options for a model config (tiny-qwen3's by
+    default)."""
     from nanoengine import pieces
     from nanoengine.config import EngineConfig
     from nanoengine.plan import resolve_plan

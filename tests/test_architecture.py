@@ -23,13 +23,14 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def imports_of(name: str) -> set[str]:
-    """The nanoengine modules `name` imports, anywhere in it except under `if TYPE_CHECKING:`. `from pkg import
-    x` is an import of pkg.x when that is a module, else of pkg."""
+    """The nanoengine modules `name` imports, anywhere in it except under `if TYPE_CHECKING:`.
+    `from pkg import x` is an import of pkg.x when that is a module, else of pkg."""
     path = MODULES[name]
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
+                   and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:

@@ -34,8 +34,10 @@ def test_qwen3_chat_template(qwen3_tokenizer_path):
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_path)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    no_think = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    no_think = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
     assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 

@@ -93,12 +93,14 @@ def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen
     order = decodes + [s for s in seqs if s[0] - s[1] > 1]
     tables = make_layout([n for n, _ in order], block_size, num_blocks, gen)
     attn = get_backend(backend)(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
-    attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+    attn.k_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
+                               dtype=dtype)
     attn.v_cache = torch.zeros_like(attn.k_cache)
-    full = [tuple(torch.randn(n, h, head_dim, generator=gen).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads))
+    full = [tuple(torch.randn(n, h, head_dim, generator=gen).to(dtype)
+                  for h in (num_heads, num_kv_heads, num_kv_heads))
             for n, _ in order]
-    # pre-fill the cache with the cached prefixes (the reference writes slots by hand: [kvh, block, offset, d],
-    # through a view for flash-attn's [block, offset, kvh, d] layout)
+    # pre-fill the cache with the cached prefixes (the reference writes slots by hand:
+    # [kvh, block, offset, d], through a view for flash-attn's [block, offset, kvh, d] layout)
     kc, vc = (heads_first_view(backend, c) for c in (attn.k_cache, attn.v_cache))
     for (_n, cached), table, (_, k, v) in zip(order, tables, full):
         for p in range(cached):
@@ -123,20 +125,22 @@ def make_batch(backend, seqs, num_heads, num_kv_heads, head_dim, block_size, gen
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decode_seqs=len(decodes), decode_block_tables=dtables,
         decode_context_lens=torch.tensor([n for n, _ in decodes]), prefill_query_starts=starts,
-        prefill_query_lens=qlens, prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
+        prefill_query_lens=qlens, prefill_context_lens=ctxs, prefill_block_tables=ptables,
+        block_size=block_size)
     attn.k_cache, attn.v_cache = attn.k_cache.to(device), attn.v_cache.to(device)
     meta = dataclasses.replace(
         meta, slot_mapping=meta.slot_mapping.to(device), decode_block_tables=dtables.to(device),
         decode_context_lens=meta.decode_context_lens.to(device),
         prefill_block_tables=[t.to(device) for t in ptables])
-    return Batch(attn, torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device), meta, order,
-                 full, slots)
+    return Batch(attn, torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device),
+                 meta, order, full, slots)
 
 
 def expected_outputs(batch):
     """Dense fp64 attention of every sequence's new tokens: [num_tokens, num_heads, head_dim]."""
     scale = batch.attn.scale
-    return torch.cat([dense_attention(q, k, v, scale)[cached:] for (_, cached), (q, k, v) in zip(batch.seqs, batch.full)])
+    return torch.cat([dense_attention(q, k, v, scale)[cached:]
+                      for (_, cached), (q, k, v) in zip(batch.seqs, batch.full)])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -121,12 +121,13 @@ def test_request_latencies_by_hand():
 
 def _step(num_seqs, prefill, decode, used, hits=0, pre=0, sched=0.001, prep=0.002):
     return StepStats(num_seqs=num_seqs, prefill_tokens=prefill, decode_tokens=decode, used_blocks=used,
-                     num_blocks=10, cache_hit_tokens=hits, num_preempted=pre, schedule_s=sched, prepare_s=prep,
-                     forward_s=0.01, postprocess_s=0.001, time=0.0)
+                     num_blocks=10, cache_hit_tokens=hits, num_preempted=pre, schedule_s=sched,
+                     prepare_s=prep, forward_s=0.01, postprocess_s=0.001, time=0.0)
 
 
 def test_step_summary_by_hand():
-    stats = [_step(2, 100, 0, 4, hits=32), _step(2, 0, 2, 6), _step(1, 0, 1, 2, pre=1, sched=0.003, prep=0.001)]
+    stats = [_step(2, 100, 0, 4, hits=32), _step(2, 0, 2, 6),
+             _step(1, 0, 1, 2, pre=1, sched=0.003, prep=0.001)]
     s = step_summary(stats, prompt_tokens=128)
     assert s["batch_size"] == {"peak": 2, "mean": pytest.approx(5 / 3)}
     assert s["kv_use"]["peak"] == pytest.approx(0.6) and s["kv_use"]["mean"] == pytest.approx(0.4)
@@ -179,7 +180,8 @@ def test_model_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen3_path
         numel = {k: f.get_slice(k).get_shape() for k in f.keys()}
     total = sum(math.prod(s) for s in numel.values())
     assert shape.tied
-    assert shape.linear_params + shape.norm_params + shape.lm_head_params == total  # embedding == tied LM head
+    # embedding == tied LM head
+    assert shape.linear_params + shape.norm_params + shape.lm_head_params == total
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -234,7 +236,8 @@ def test_cli_bench_writes_json_plot_and_table(tmp_path, capsys):
 def test_hf_peer_counts_only_requested_tokens(tmp_path):
     from nanoengine.bench.run import bench
 
-    r = bench("tiny-qwen3", "smoke", peers=["hf"], peer_batches=[3], out_dir=None, figures_dir=None, quiet=True)
+    r = bench("tiny-qwen3", "smoke", peers=["hf"], peer_batches=[3], out_dir=None, figures_dir=None,
+              quiet=True)
     (hf,) = r["peers"]
     wl = make_workload("smoke")
     assert hf["output_tokens"] == wl.num_output_tokens and hf["prompt_tokens"] == wl.num_prompt_tokens
@@ -288,6 +291,7 @@ def test_single_stream_times_every_linear_and_attention_call_once_per_step():
     model = llm.engine.executor.runner.model
     timed = [m for m in model.modules() if isinstance(m, (PackableLinear, AttentionBackend))]
     with module_timers(model) as totals:
-        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
     assert totals["calls"] == 3 * len(timed)  # one prefill step and two decode steps
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in timed)

@@ -1,4 +1,5 @@
-"""BlockManager: allocation, ref counts, chained prefix hashing, LRU reuse of freed blocks (chapters 03, 04)."""
+"""BlockManager: allocation, ref counts, chained prefix hashing, LRU reuse of freed blocks
+(chapters 03, 04)."""
 
 import pytest
 

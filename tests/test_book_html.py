@@ -42,7 +42,8 @@ def test_chapter_html_has_widget_state(tmp_path, monkeypatch):
     placed = [json.loads(v)["model_id"] for v in re.findall(
         r'<script type="application/vnd\.jupyter\.widget-view\+json">(.*?)</script>', text, re.S)]
     assert placed == views, f"{page.name} places widget views {placed}; the notebook shows {views}"
-    found = re.search(r'<script type="application/vnd\.jupyter\.widget-state\+json">(.*?)</script>', text, re.S)
+    found = re.search(r'<script type="application/vnd\.jupyter\.widget-state\+json">(.*?)</script>', text,
+                      re.S)
     assert found, f"{page.name} has no embedded widget state (application/vnd.jupyter.widget-state+json)"
     state = json.loads(found.group(1))["state"]
     missing = [m for m in views if m not in state]

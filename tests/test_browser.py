@@ -205,7 +205,8 @@ SLIDER_INFO = """handle => {
   const cell = handle.closest('.jp-Cell');
   return {label: label ? label.textContent : '', value: readout ? readout.textContent : '',
           now: handle.getAttribute('aria-valuenow'), max: handle.getAttribute('aria-valuemax'),
-          cell: Array.from(cell.parentElement.children).filter(e => e.classList.contains('jp-Cell')).indexOf(cell)};
+          cell: Array.from(cell.parentElement.children)
+                .filter(e => e.classList.contains('jp-Cell')).indexOf(cell)};
 }"""
 
 
@@ -241,7 +242,8 @@ def _move_sliders(page, path: Path) -> list[dict]:
         where = f"{path.name} cell {info['cell']}, slider {info['label'] or i!r} at {info['value']}"
         try:
             page.wait_for_function("([h, before, shown]) => h.getAttribute('aria-valuenow') !== before && "
-                                   f"({SHOWN})(h) !== shown", arg=[handle.element_handle(), info["now"], shown],
+                                   f"({SHOWN})(h) !== shown",
+                                   arg=[handle.element_handle(), info["now"], shown],
                                    timeout=WIDGET_UPDATE_S * 1000, polling=250)
         except Exception as e:
             now = handle.get_attribute("aria-valuenow")
@@ -268,7 +270,8 @@ def test_chapter_runs_in_browser(path, browser, lab):
         summary["open_s"] = round(time.perf_counter() - t0, 1)
         summary["run_all_s"] = round(_run_all(page, path), 1)
         assert summary["run_all_s"] < NOTEBOOK_LIMIT_S, (
-            f"{path.name}: Run All took {summary['run_all_s']:.0f} s; a chapter must run within {NOTEBOOK_LIMIT_S} s")
+            f"{path.name}: Run All took {summary['run_all_s']:.0f} s; a chapter must run within "
+            f"{NOTEBOOK_LIMIT_S} s")
 
         cells = page.evaluate(CELL_REPORT)
         errors = [f"cell {c['index']}: {e}" for c in cells for e in c["errors"]]
@@ -277,14 +280,16 @@ def test_chapter_runs_in_browser(path, browser, lab):
         assert not not_run, f"{path.name}: cells {not_run} did not run"
 
         expected = sum(c["widgets"] for c in cells)
-        _wait(page, f"n => document.querySelector('.jp-Notebook').innerText.includes('Error displaying widget') || "
+        _wait(page, f"n => document.querySelector('.jp-Notebook').innerText.includes("
+                    "'Error displaying widget') || "
                     f"document.querySelectorAll('.jp-Notebook {TOP_WIDGET}').length >= n && "
                     "!document.querySelector('.jp-Notebook').innerText.includes('Loading widget')",
               WIDGET_UPDATE_S, f"{path.name}: its widgets did not render", arg=expected)
         text = page.locator(".jp-Notebook").inner_text()
         assert "Error displaying widget" not in text, f"{path.name}: a widget failed: Error displaying widget"
         views = page.evaluate(WIDGET_VIEWS)
-        assert len(views) == expected, f"{path.name}: {expected} widget outputs but {len(views)} rendered: {views}"
+        assert len(views) == expected, (f"{path.name}: {expected} widget outputs but {len(views)} rendered: "
+                                        f"{views}")
         empty = [v for v in views if v["height"] <= 0]
         assert not empty, f"{path.name}: widgets rendered with no height: {empty}"
         summary["widgets"] = len(views)

@@ -1,7 +1,7 @@
 """torch.compile'd ops (chapter 06) == the eager layers they come from, once on CPU (inductor's CPU backend):
 RMSNorm with and without the residual add, rotary by position, SiLU-and-mul, the sampler's distribution; then
-the engine with torch_compile=True == eager, token for token (tiny-qwen3, float32, the torch backend). No speed
-is asserted: on CPU compiled ops are slower (scripts/graphs_check.py --ops measures them)."""
+the engine with torch_compile=True == eager, token for token (tiny-qwen3, float32, the torch backend). No
+speed is asserted: on CPU compiled ops are slower (scripts/graphs_check.py --ops measures them)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_compiled_ops_equal_eager_ops(ops, seed):
     for n in (1, 5, 12):  # several batch sizes through one dynamic-shape graph
         x, res = torch.randn(n, 64, dtype=dtype), torch.randn(n, 64, dtype=dtype)
         with torch.no_grad():
-            torch.testing.assert_close(ops.rms_norm(x, None, norm.weight, norm.eps)[0], norm(x), atol=tol, rtol=tol)
+            torch.testing.assert_close(ops.rms_norm(x, None, norm.weight, norm.eps)[0], norm(x),
+                                       atol=tol, rtol=tol)
             got, got_res = ops.rms_norm(x, res, norm.weight, norm.eps)
             want, want_res = norm.forward_add(x, res)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -40,7 +40,8 @@ def test_fp16_is_never_used_on_cpu():
 
 @pytest.mark.parametrize("options,match", [
     ({"attention_backend": "sdpa"}, r"attention_backend must be one of"),
-    ({"attention_backend": "flash_attn", "device": "cpu"}, r"'flash_attn' runs on device='cuda' only.*'triton'"),
+    ({"attention_backend": "flash_attn", "device": "cpu"},
+     r"'flash_attn' runs on device='cuda' only.*'triton'"),
     ({"attention_backend": "triton", "block_size": 24}, r"power-of-two block_size, not 24; use 16 or 32"),
 ])
 def test_options_that_cannot_work_are_refused_not_ignored(options, match, monkeypatch):
@@ -61,14 +62,16 @@ def test_triton_on_cpu_needs_the_interpreter_switched_on(monkeypatch):
 
     monkeypatch.setattr(triton_support, "installed", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match=r"'triton' cannot run here: on device='cpu'.*TRITON_INTERPRET=1.*'cpu'"):
+    with pytest.raises(ValueError,
+                       match=r"'triton' cannot run here: on device='cpu'.*TRITON_INTERPRET=1.*'cpu'"):
         plan_of(device="cpu", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = plan_of(device="cpu", attention_backend="triton")
     assert (cfg.attention_backend, cfg.block_size) == ("triton", 16)
     assert plan_of(device="cpu").attention_backend in ("cpu", "torch")  # never auto
     monkeypatch.setattr(triton_support, "installed", lambda: False)
-    with pytest.raises(ValueError, match=r"triton package is not installed: pip install -c constraints.txt triton"):
+    with pytest.raises(ValueError,
+                       match=r"triton package is not installed: pip install -c constraints.txt triton"):
         plan_of(device="cpu", attention_backend="triton")
 
 
@@ -111,11 +114,13 @@ def test_cuda_picks_flash_attn_then_triton_with_a_block_size_each_can_use(fake_c
 @pytest.mark.parametrize("options,missing,match", [
     ({"attention_backend": "flash_attn", "dtype": "bfloat16", "block_size": 16}, (),
      r"multiple of 256, not block_size=16; leave block_size unset \(256\) or use attention_backend='triton'"),
-    ({"attention_backend": "flash_attn", "dtype": "float32"}, (), r"float16 or bfloat16, not dtype='float32'"),
+    ({"attention_backend": "flash_attn", "dtype": "float32"}, (),
+     r"float16 or bfloat16, not dtype='float32'"),
     ({"attention_backend": "flash_attn", "dtype": "bfloat16"}, ("flash_attn",),
      r"flash_attn is missing; pip install flash-attn, or use attention_backend='triton'"),
     ({"attention_backend": "triton"}, ("triton",), r"'triton' cannot run here: triton is missing"),
-    ({"attention_backend": "triton", "block_size": 100}, (), r"power-of-two block_size, not 100; use 64 or 128"),
+    ({"attention_backend": "triton", "block_size": 100}, (),
+     r"power-of-two block_size, not 100; use 64 or 128"),
     ({"attention_backend": "cpu"}, (), r"'cpu' runs on device='cpu' only; on CUDA use 'auto'"),
 ])
 def test_cuda_refuses_a_backend_or_block_size_that_cannot_work(fake_cuda, options, missing, match):
@@ -128,14 +133,16 @@ def test_cuda_refuses_a_backend_or_block_size_that_cannot_work(fake_cuda, option
 
 @pytest.mark.parametrize("dims,tp,match", [
     ({"num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152}, 2,  # SmolLM2-135M's heads
-     r"tensor_parallel_size=2 must divide the model's 9 attention heads.*3 KV heads.*sizes that work.*: 1, 3$"),
+     r"tensor_parallel_size=2 must divide the model's 9 attention heads.*3 KV heads"
+     r".*sizes that work.*: 1, 3$"),
     ({"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1001}, 2,
      r"1001 vocabulary \(vocab_size\).*sizes that work for this model: 1$"),
     ({"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}, 4,
      r"must divide the model's 2 KV heads \(num_key_value_heads\) evenly.*: 1, 2$"),
 ])
 def test_tensor_parallel_size_must_divide_heads_kv_heads_and_vocab(dims, tp, match):
-    """Refused while resolving the config, before any worker process starts, with the sizes that would work."""
+    """Refused while resolving the config, before any worker process starts, with the sizes that would
+    work."""
     from transformers import Qwen3Config
 
     from nanoengine import assets
@@ -150,8 +157,8 @@ def test_tensor_parallel_size_must_divide_heads_kv_heads_and_vocab(dims, tp, mat
 
 
 def test_fused_decode_only_where_it_mirrors_the_forward():
-    """Decode steps run the layers in one C++ call on CPU with the cpu backend, and not with enforce_eager, the
-    graphs' stand-in, the learner's pieces or tensor parallelism (what FusedDecode does not mirror)."""
+    """Decode steps run the layers in one C++ call on CPU with the cpu backend, and not with enforce_eager,
+    the graphs' stand-in, the learner's pieces or tensor parallelism (what FusedDecode does not mirror)."""
 
     resolved = plan_of(device="cpu")
     assert (resolved.decode_mode is DecodeMode.FUSED_CPU) is (resolved.attention_backend == "cpu")

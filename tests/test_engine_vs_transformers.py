@@ -78,8 +78,8 @@ def compare(name, options, round, outs, prompts, want):
         got = o.outputs[0].token_ids
         if got != w:
             first = next(j for j, (a, b) in enumerate(zip(got, w)) if a != b)
-            pytest.fail(f"{name} {options} round {round}: prompt {i} differs from transformers at output token {first}: "
-                        f"got {got}, want {w}")
+            pytest.fail(f"{name} {options} round {round}: prompt {i} differs from transformers at output "
+                        f"token {first}: got {got}, want {w}")
 
 
 @pytest.mark.xdist_group("tiny")
@@ -107,7 +107,8 @@ def test_smollm2_matches_transformers(config):
 @pytest.mark.xdist_group("tiny")
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_prompt_logits_match_transformers(backend, request):
-    """LLMEngine.prompt_logits (one prefill through the engine's model and KV cache) == transformers' logits."""
+    """LLMEngine.prompt_logits (one prefill through the engine's model and KV cache) == transformers'
+    logits."""
     if backend == "cpu":
         request.getfixturevalue("cpu_kernels")
     path = assets.ensure("tiny-qwen3")

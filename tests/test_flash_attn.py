@@ -21,7 +21,8 @@ GQA = [(4, 2, 32), (9, 3, 64), (16, 8, 128)]
 
 
 def paged_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, block_size, kvh, d] cache -> one sequence's first `length` rows, heads first [kvh, length, d]."""
+    """[num_blocks, block_size, kvh, d] cache -> one sequence's first `length` rows, heads first
+    [kvh, length, d]."""
     block_size = cache.shape[1]
     return cache[table[: -(-length // block_size)].long()].flatten(0, 1)[:length].transpose(0, 1)
 
@@ -48,7 +49,8 @@ def stand_in_flash_attn() -> types.ModuleType:
                                            paged_keys(v, block_table[i], klen), softmax_scale)
         return out
 
-    def with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False):
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
+                     causal=False):
         check(block_table, cache_seqlens)
         assert q.dim() == 4 and q.shape[1] == 1 and k_cache.shape[1] % 256 == 0
         out = torch.empty_like(q)
@@ -91,8 +93,8 @@ def flash_attn():
 def test_flash_attn_step_equals_dense_attention(flash_attn, dtype, num_heads, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(num_heads)
     seqs = SEQS + [(300, 256), (512, 511)]  # a chunk after a whole block; a fully cached 2-block prompt
-    b = make_batch("flash_attn", seqs, num_heads, num_kv_heads, head_dim, 256, gen, num_blocks=16, dtype=dtype,
-                   device="cuda")
+    b = make_batch("flash_attn", seqs, num_heads, num_kv_heads, head_dim, 256, gen, num_blocks=16,
+                   dtype=dtype, device="cuda")
     b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
     out = b.attn(b.q, b.k, b.v, b.meta)
     torch.testing.assert_close(out.cpu().double(), expected_outputs(b), atol=1e-2, rtol=1.6e-2)

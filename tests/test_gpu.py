@@ -29,16 +29,17 @@ def test_cuda_seeded_sampling_is_reproducible():
 
 
 def test_a_decode_step_makes_no_host_sync_from_schedule_to_graph_replay():
-    """A step's inputs are written into pinned host buffers and copied with non_blocking=True, and a decode step
-    that replays a CUDA graph reads nothing back: from the scheduler to the replay the host never waits for the
-    GPU (torch raises on any synchronizing call in sync-debug mode 'error')."""
+    """A step's inputs are written into pinned host buffers and copied with non_blocking=True, and a decode
+    step that replays a CUDA graph reads nothing back: from the scheduler to the replay the host never waits
+    for the GPU (torch raises on any synchronizing call in sync-debug mode 'error')."""
     import torch
 
     from nanoengine.plan import DecodeMode
 
     llm = LLM("tiny-qwen3", device="cuda", max_num_seqs=8, num_kvcache_blocks=64)
     if llm.plan.decode_mode is not DecodeMode.CUDA_GRAPHS:
-        pytest.skip(f"decode steps run {llm.plan.decode_mode.value} here ({llm.plan.attention_backend} attention)")
+        pytest.skip(f"decode steps run {llm.plan.decode_mode.value} here "
+                    f"({llm.plan.attention_backend} attention)")
     eng = llm.engine
     for p in PROMPTS[:3]:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

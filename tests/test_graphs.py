@@ -33,7 +33,8 @@ def test_buckets_cover_every_batch_up_to_max_num_seqs():
     assert batch_buckets(3) == [1, 2, 3] and batch_buckets(1) == [1]
     assert batch_buckets(4096)[-2:] == [496, 512]  # capped at 512
     graphs = stand_in(max_num_seqs=20)
-    assert [graphs.bucket_for(n) for n in (1, 3, 5, 8, 9, 16, 17, 20, 21)] == [1, 4, 8, 8, 16, 16, 20, 20, None]
+    assert ([graphs.bucket_for(n) for n in (1, 3, 5, 8, 9, 16, 17, 20, 21)]
+            == [1, 4, 8, 8, 16, 16, 20, 20, None])
 
 
 def recording_forward(calls: list):
@@ -52,9 +53,9 @@ def stand_in(max_num_seqs: int = 20, max_blocks: int = 12, calls: list | None = 
 
 
 def check_static_buffers(graphs: DecodeGraphs, seqs: list[Sequence], bs: int, block_size: int) -> None:
-    """The static buffers of a bucket-`bs` replay against the sequences themselves: each row's token, position,
-    slot, context and whole block table, then padding rows (slot -1, context 0, no block), and no block id past
-    the step's widest table in any row."""
+    """The static buffers of a bucket-`bs` replay against the sequences themselves: each row's token,
+    position, slot, context and whole block table, then padding rows (slot -1, context 0, no block), and no
+    block id past the step's widest table in any row."""
     n = len(seqs)
     pos = [s.num_computed_tokens for s in seqs]
     assert graphs.input_ids[:bs].tolist() == [s.token_ids[p] for s, p in zip(seqs, pos)] + [0] * (bs - n)
@@ -110,7 +111,8 @@ def test_stand_in_pads_copies_and_clears_stale_columns():
         (called,) = calls  # replay called the forward recorded for this bucket, on the same static buffers
         assert called is captured[bs]
         assert called.attn.decode_block_tables.data_ptr() == graphs.block_tables.data_ptr()
-        want = torch.tensor([s.token_ids[s.num_computed_tokens] for s in batch]).float()[:, None] + inp.positions[:, None]
+        want = (torch.tensor([s.token_ids[s.num_computed_tokens] for s in batch]).float()[:, None]
+                + inp.positions[:, None])
         assert torch.equal(out, want.expand(-1, 3)), f"step {step}: rows of other sequences"
     assert seen == {1, 2, 4, 8, 16, 20}
 
@@ -133,7 +135,8 @@ def test_readmitted_sequence_replays_with_its_new_table():
         assert inp.is_decode_only and graphs.can_replay(inp)
         out = graphs.replay(inp)
         check_static_buffers(graphs, seqs, graphs.bucket_for(len(seqs)), 4)
-        assert out[:, 0].tolist() == [float(s.token_ids[s.num_computed_tokens] + s.num_computed_tokens) for s in seqs]
+        assert out[:, 0].tolist() == [float(s.token_ids[s.num_computed_tokens] + s.num_computed_tokens)
+                                      for s in seqs]
 
     step([ScheduledSeq(a, 1, False), ScheduledSeq(b, 1, False)], [a, b])
     b.block_table[:] = [9, 10, 11, 12, 13]  # preempted, re-admitted: the prefix cache gave other blocks
@@ -152,7 +155,8 @@ def test_out_of_range_steps_run_eagerly():
         s.block_table, s.num_computed_tokens = [1, 2, 3], 8
     builder = InputBuilder(4)
     assert graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:4]]).inputs)
-    assert not graphs.can_replay(builder.build([ScheduledSeq(s, 1, False) for s in seqs[:5]]).inputs)  # > largest
+    assert not graphs.can_replay(
+        builder.build([ScheduledSeq(s, 1, False) for s in seqs[:5]]).inputs)  # > largest
     prompt = Sequence(list(range(9)), SamplingParams(), 4)
     prompt.block_table = [4, 5, 6]
     mixed = builder.build([ScheduledSeq(seqs[0], 1, False), ScheduledSeq(prompt, 9, True)]).inputs
@@ -182,10 +186,12 @@ def generate(batches: list[list[str]], params, checked: bool = False, **options)
             check_static_buffers(runner.graphs, step["seqs"], bucket, llm.plan.block_size)
             return bucket
 
-        engine.inputs.build, runner.graphs.load = build_and_remember, load_and_check  # this test's instruments
+        # this test's instruments
+        engine.inputs.build, runner.graphs.load = build_and_remember, load_and_check
     tokens = []
     for prompts in batches:
-        p = params if isinstance(params, SamplingParams) else [params[i % len(params)] for i in range(len(prompts))]
+        p = (params if isinstance(params, SamplingParams)
+             else [params[i % len(params)] for i in range(len(prompts))])
         tokens += [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     return tokens, llm
 
@@ -221,7 +227,8 @@ def test_stand_in_equals_eager_through_preemption_and_readmission():
 
 
 def test_stand_in_with_the_cpu_kernels_and_padding_rows(cpu_kernels):
-    """The C++ decode kernel on padding rows (context 0) writes zeros and reads nothing (batch 3 -> bucket 4)."""
+    """The C++ decode kernel on padding rows (context 0) writes zeros and reads nothing
+    (batch 3 -> bucket 4)."""
     eager, _ = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu")
     graphed, llm = generate([PROMPTS[:3]], GREEDY, attention_backend="cpu", graph_stand_in=True)
     assert graphed == eager and 4 in llm.engine.executor.runner.graphs.replays
@@ -234,7 +241,8 @@ def replays_on(runner) -> int:
 @pytest.mark.xdist_group("notebooks")  # starts a worker process (see test_tp.py)
 def test_stand_in_under_tensor_parallelism_equals_eager():
     """Two ranks over gloo: each records and replays its own graphs (their all-reduces inside), deciding graph
-    or eager from the same step, so they stay in lockstep; tokens == one eager process as the batch shrinks."""
+    or eager from the same step, so they stay in lockstep; tokens == one eager process as the batch
+    shrinks."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 3, 9, 6)]
     eager, _ = generate([PROMPTS[:4]], params)
     graphed, llm = generate([PROMPTS[:4]], params, checked=True, graph_stand_in=True, tensor_parallel_size=2)
@@ -256,8 +264,8 @@ def test_graph_options_are_decided_once_in_the_config():
 
 
 def test_graph_options_on_cuda(monkeypatch):
-    """On a (pretended) CUDA machine: graphs unless enforce_eager, never with the torch backend (its store syncs
-    with the host: eager, with a warning), no stand-in; torch.compile on by default."""
+    """On a (pretended) CUDA machine: graphs unless enforce_eager, never with the torch backend (its store
+    syncs with the host: eager, with a warning), no stand-in; torch.compile on by default."""
     from nanoengine.kernels import triton_support
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -270,7 +278,8 @@ def test_graph_options_on_cuda(monkeypatch):
     with pytest.warns(UserWarning, match=r"'torch' cannot run inside a CUDA graph.*decode steps run eagerly"):
         cfg = plan_of(device="cuda", attention_backend="torch")
     assert cfg.decode_mode is DecodeMode.EAGER
-    with pytest.raises(ValueError, match=r"graph_stand_in=True is the CPU stand-in.*on CUDA the engine captures"):
+    with pytest.raises(ValueError,
+                       match=r"graph_stand_in=True is the CPU stand-in.*on CUDA the engine captures"):
         plan_of(**cuda, graph_stand_in=True)
 
 
@@ -285,7 +294,8 @@ def test_cuda_graphs_equal_eager_on_cuda(dtype):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 17, 9, 24, 12)]
     eager, _ = generate([PROMPTS], params, enforce_eager=True, torch_compile=False, **options)
     graphed, llm = generate([PROMPTS], params, **options)
-    assert llm.plan.decode_mode is DecodeMode.CUDA_GRAPHS and len(llm.engine.executor.runner.graphs.replays) >= 3
+    assert (llm.plan.decode_mode is DecodeMode.CUDA_GRAPHS
+            and len(llm.engine.executor.runner.graphs.replays) >= 3)
     if dtype == "float32":
         assert graphed == eager
     else:  # bf16: compiled ops round differently; most tokens agree

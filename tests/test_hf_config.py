@@ -13,7 +13,8 @@ from nanoengine.models import hf_config
 
 
 def test_head_dim_and_kv_heads_with_and_without_the_fields():
-    assert hf_config.head_dim(Qwen3Config(**assets.QWEN3_06B_DIMS)) == 128  # Qwen3 sets head_dim != hidden / heads
+    # Qwen3 sets head_dim != hidden / heads
+    assert hf_config.head_dim(Qwen3Config(**assets.QWEN3_06B_DIMS)) == 128
     smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     assert hf_config.head_dim(smol) == 64 and hf_config.num_kv_heads(smol) == 3
     bare = SimpleNamespace(hidden_size=256, num_attention_heads=4, head_dim=None)
@@ -28,7 +29,8 @@ def test_kv_bytes_per_token_by_hand():
 
 
 def test_rope_theta_and_checkpoint_dtype_both_spellings():
-    assert hf_config.rope_theta(SimpleNamespace(rope_parameters={"rope_theta": 5e5, "rope_type": "default"})) == 5e5
+    assert hf_config.rope_theta(
+        SimpleNamespace(rope_parameters={"rope_theta": 5e5, "rope_type": "default"})) == 5e5
     assert hf_config.rope_theta(SimpleNamespace(rope_theta=1e4)) == 1e4
     assert hf_config.checkpoint_dtype(SimpleNamespace(dtype="bfloat16")) is torch.bfloat16
     assert hf_config.checkpoint_dtype(SimpleNamespace(dtype=None, torch_dtype=torch.float16)) is torch.float16

@@ -51,14 +51,16 @@ def test_layout_slots_and_sampled_rows():
     assert meta.decode_context_lens.tolist() == [10, 9]
     assert meta.decode_block_tables.tolist() == [[7, 3, 9], [11, 12, 13]]
     assert meta.prefill_query_starts == [2, 8] and meta.prefill_query_lens == [6, 4]
-    assert meta.prefill_context_lens == [6, 6] and [t.tolist() for t in meta.prefill_block_tables] == [[1, 5, 6], [2, 4]]
+    assert (meta.prefill_context_lens == [6, 6]
+            and [t.tolist() for t in meta.prefill_block_tables] == [[1, 5, 6], [2, 4]])
     # every sequence that reaches its last token is sampled, at its last row; the half-done chunk is not
     assert inp.sample_rows.tolist() == [0, 1, 11] and sample_seqs == [decoding, hit, tail]
     assert meta.plan is None  # planning is the attention backend's, once per step in the model runner
 
 
 def test_decode_only_batch_is_fixed_width():
-    seqs = [seq_with(range(n), list(range(i * 4, i * 4 + -(-n // 4))), computed=n - 1) for i, n in enumerate((3, 9, 5))]
+    seqs = [seq_with(range(n), list(range(i * 4, i * 4 + -(-n // 4))), computed=n - 1)
+            for i, n in enumerate((3, 9, 5))]
     inp, _ = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs])
     assert inp.is_decode_only and inp.sample_rows.tolist() == [0, 1, 2]
     assert inp.attn.decode_block_tables.shape == (3, 3) and inp.attn.slot_mapping.shape == (3,)
@@ -103,13 +105,15 @@ def test_host_buffers_are_reused_and_grown_only_when_a_step_needs_more():
     for a, b in ((first.input_ids, second.input_ids), (first.positions, second.positions),
                  (first.attn.slot_mapping, second.attn.slot_mapping), (first.sample_rows, second.sample_rows),
                  (first.attn.decode_block_tables, second.attn.decode_block_tables)):
-        assert a.data_ptr() == b.data_ptr() == a.untyped_storage().data_ptr()  # the same memory, step after step
+        # the same memory, step after step
+        assert a.data_ptr() == b.data_ptr() == a.untyped_storage().data_ptr()
     assert second.input_ids.tolist() == [99, 99] and want_first == [4, 14]  # the values are this step's own
     assert second.attn.decode_context_lens.tolist() == [6, 6] and second.positions.tolist() == [5, 5]
     big = seq_with(range(20), [1, 2, 3, 4, 5], computed=0)  # 20 prompt tokens, 5 blocks: more than they hold
     inp, _ = builder.build([ScheduledSeq(big, 20, True)])
     assert builder.host is not host and builder.host.fits(20, 1, 5)
-    assert inp.input_ids.tolist() == list(range(20)) and inp.attn.prefill_block_tables[0].tolist() == [1, 2, 3, 4, 5]
+    assert (inp.input_ids.tolist() == list(range(20))
+            and inp.attn.prefill_block_tables[0].tolist() == [1, 2, 3, 4, 5])
     grown = builder.host
     again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
     assert builder.host is grown and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]

@@ -1,6 +1,7 @@
-"""nanoengine.kernels: the CPU kernels' fused glue (RMSNorm with residual, rotary, SwiGLU) == the eager PyTorch layers they
-replace: bit for bit in bfloat16 (they round where the eager ops round), to float32 rounding in float32;
-the paged decode kernel == the torch backend's decode; and an engine with the kernels == one without them."""
+"""nanoengine.kernels: the CPU kernels' fused glue (RMSNorm with residual, rotary, SwiGLU) == the eager
+PyTorch layers they replace: bit for bit in bfloat16 (they round where the eager ops round), to float32
+rounding in float32; the paged decode kernel == the torch backend's decode; and an engine with the kernels
+== one without them."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_silu_and_mul(kernels, dtype):
     gate_up = (torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     got, want = kernels.silu_and_mul(gate_up), silu_and_mul(gate_up)
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), rtol=1 / 64, atol=1e-6)  # about one bf16 step at most
+    # about one bf16 step at most
+    torch.testing.assert_close(got.float(), want.float(), rtol=1 / 64, atol=1e-6)
     differ = (got != want).float().mean().item()
     assert differ < (0.002 if dtype == torch.bfloat16 else 1.0), f"{differ:.2%} of the outputs differ"
 
@@ -94,7 +96,8 @@ def test_engine_with_cpu_kernels_equals_torch_backend(kernels):
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize("batch", [1, 7])
 def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch, cpu_kernels):
-    """The kernel against the torch backend's decode in bfloat16 (the engine's CPU dtype), on long contexts."""
+    """The kernel against the torch backend's decode in bfloat16 (the engine's CPU dtype), on long
+    contexts."""
     gen = torch.Generator().manual_seed(head_dim + batch)
     num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 600
     lens = torch.randint(1, 700, (batch,), generator=gen)
@@ -106,7 +109,8 @@ def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch, cpu_kernels):
     v_cache = torch.randn(shape, generator=gen).bfloat16()
     q = torch.randn(batch, num_heads, head_dim, generator=gen).bfloat16()
     scale = head_dim ** -0.5
-    exact = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, lens, scale)
+    exact = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, lens,
+                                           scale)
     kernel = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale)
     eager = torch_backend.decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
     assert kernel.dtype == torch.bfloat16 and kernel.shape == q.shape
@@ -120,7 +124,8 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernels):
     q = torch.zeros(1, 4, 8)
     cache = torch.zeros(3, 2, 4, 8)  # 4 query heads over 3 kv heads: not a group
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                 torch.ones(1, dtype=torch.long), 1.0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
@@ -175,7 +180,8 @@ def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(ker
     for rows in (1, 4, 5, 40):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), plain(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-    # in bf16 (a CPU without oneDNN bf16): small batches through the kernel, large ones in float32 rounded once
+    # in bf16 (a CPU without oneDNN bf16): small batches through the kernel, large ones in float32 rounded
+    # once
     layer = layer.to(torch.bfloat16)
     use_bf16_weights(layer, kernels, 4)
     for rows in (3, 40):
@@ -188,8 +194,8 @@ def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(ker
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
 def test_smollm2_float32_with_bf16_weight_copies_equals_without(kernels, monkeypatch):
-    """smollm2 (a bf16 checkpoint) in float32: greedy tokens with the linears' bf16 weight copies (batches of 1
-    and 5 rows decode through the kernel) == the plain float32 matmuls, and the switch is on by default."""
+    """smollm2 (a bf16 checkpoint) in float32: greedy tokens with the linears' bf16 weight copies (batches of
+    1 and 5 rows decode through the kernel) == the plain float32 matmuls, and the switch is on by default."""
     from nanoengine import LLM, SamplingParams
     from nanoengine import plan as engine_plan
 
@@ -213,7 +219,8 @@ def decode_step_input(llm, prompts: list[list[int]]):
     from nanoengine import SamplingParams
 
     eng = llm.engine
-    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            for p in prompts]
     while True:
         out = eng.scheduler.schedule()
         inp, sample_seqs = eng.inputs.build(out.scheduled)

@@ -33,7 +33,8 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_input_forms_and_order(llm):
     ids = llm.tokenizer.encode(PROMPTS[1])
-    outs = llm.generate([PROMPTS[0], ids, {"prompt_token_ids": ids}, {"prompt": PROMPTS[1]}], GREEDY, use_tqdm=False)
+    outs = llm.generate([PROMPTS[0], ids, {"prompt_token_ids": ids}, {"prompt": PROMPTS[1]}], GREEDY,
+                        use_tqdm=False)
     assert [o.prompt for o in outs] == [PROMPTS[0], None, None, PROMPTS[1]]
     assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
     single = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
@@ -101,8 +102,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     mixed = llm.generate([PROMPTS[3], PROMPTS[0], PROMPTS[1]], [unseeded, p, unseeded], use_tqdm=False)
     assert alone == again == mixed[1].outputs[0].token_ids
-    other = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_k=50, seed=124, max_tokens=8,
-                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    other = llm.generate([PROMPTS[0]],
+                         SamplingParams(temperature=1.0, top_k=50, seed=124, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
     assert other != alone
 
 
@@ -115,7 +117,8 @@ def test_n_completions_share_the_prompt_blocks():
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three samples should not all be equal"
     n_prompt = len(out.prompt_token_ids)
     hits = sorted(n for _, n in llm.trace.hit_tokens_by_seq())
-    assert hits == [0, (n_prompt // 4) * 4, (n_prompt // 4) * 4], f"siblings should hit the prompt's full blocks: {hits}"
+    assert hits == [0, (n_prompt // 4) * 4, (n_prompt // 4) * 4], (
+        f"siblings should hit the prompt's full blocks: {hits}")
     no_leaks(llm)
 
 
@@ -128,7 +131,8 @@ def test_streaming_matches_generate(llm):
 
 def test_chat_and_metrics(llm):
     conv = [{"role": "user", "content": "Hi there"}]
-    outs = llm.chat([conv, conv + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]],
+    outs = llm.chat([conv, conv + [{"role": "assistant", "content": "Hello"},
+                                   {"role": "user", "content": "Bye"}]],
                     GREEDY, use_tqdm=False)
     want = llm.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert llm.tokenizer.decode(outs[0].prompt_token_ids) == want
@@ -159,7 +163,8 @@ def test_interrupted_generate_leaves_engine_clean(llm, monkeypatch):
 def test_smollm2_bf16_answers_and_stops_on_eos():
     from nanoengine.layers.linear import onednn_bf16_available
 
-    llm = LLM("smollm2-135m")  # default dtype from the checkpoint (bf16), or float32 on a CPU without fast bf16
+    # default dtype from the checkpoint (bf16), or float32 on a CPU without fast bf16
+    llm = LLM("smollm2-135m")
     assert llm.plan.dtype == ("bfloat16" if onednn_bf16_available() else "float32")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]

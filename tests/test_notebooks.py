@@ -66,7 +66,8 @@ def test_notebook_stored_clean_with_exercises_and_check(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
     if browser_problem() is None and not os.environ.get("NANOENGINE_NBCLIENT"):
-        pytest.skip("executed in the browser by tests/test_browser.py (NANOENGINE_NBCLIENT=1 runs it here too)")
+        pytest.skip("executed in the browser by tests/test_browser.py "
+                    "(NANOENGINE_NBCLIENT=1 runs it here too)")
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
 

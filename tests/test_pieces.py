@@ -45,7 +45,8 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
     prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a"]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     opts = dict(dtype="float32", max_num_batched_tokens=16)
-    want = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", **opts).generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids
+            for o in LLM("tiny-qwen3", **opts).generate(prompts, params, use_tqdm=False)]
     llm = LLM("tiny-qwen3", use_exercises=list(CHAPTERS), exercises_dir=str(SOLUTIONS), **opts)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -39,7 +39,8 @@ anything = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 40), st.integers(-2**70, 2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6), st.binary(max_size=4),
     st.lists(st.integers(-3, 160_000), max_size=4), st.lists(st.text(max_size=3), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.tuples(st.integers(), st.text(max_size=2)),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.tuples(st.integers(), st.text(max_size=2)),
 )
 SAMPLING_FIELDS = ["n", "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"]
@@ -47,11 +48,14 @@ sampling_kwargs = st.dictionaries(st.sampled_from(SAMPLING_FIELDS), anything, ma
 prompts = st.one_of(
     anything, st.text(min_size=1, max_size=30),
     st.dictionaries(st.sampled_from(["prompt", "prompt_token_ids", "text"]), anything, max_size=2),
-    st.lists(st.one_of(st.text(min_size=1, max_size=8), st.lists(st.integers(-1, 151_936), max_size=5)), max_size=3),
+    st.lists(st.one_of(st.text(min_size=1, max_size=8), st.lists(st.integers(-1, 151_936), max_size=5)),
+             max_size=3),
 )
 message = st.dictionaries(st.sampled_from(["role", "content", "name"]),
-                          st.one_of(st.sampled_from(["user", "system", "assistant", "robot"]), anything), max_size=3)
-conversations = st.one_of(anything, st.lists(message, max_size=3), st.lists(st.lists(message, max_size=2), max_size=2))
+                          st.one_of(st.sampled_from(["user", "system", "assistant", "robot"]), anything),
+                          max_size=3)
+conversations = st.one_of(anything, st.lists(message, max_size=3),
+                          st.lists(st.lists(message, max_size=2), max_size=2))
 
 
 def small_enough(kwargs: dict) -> bool:
@@ -86,16 +90,18 @@ def test_random_input_either_works_or_raises_our_error(llm, baseline, kwargs, pr
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda llm: llm.generate(PROMPT, SamplingParams(temperature="0.5")), r"temperature must be a number, got '0.5'"),
-    (lambda llm: llm.generate(PROMPT, SamplingParams(stop_token_ids=[10**7])), r"stop_token_ids \[10000000\] are "
-                                                                                r"outside the vocabulary"),
+    (lambda llm: llm.generate(PROMPT, SamplingParams(temperature="0.5")),
+     r"temperature must be a number, got '0.5'"),
+    (lambda llm: llm.generate(PROMPT, SamplingParams(stop_token_ids=[10**7])),
+     r"stop_token_ids \[10000000\] are outside the vocabulary"),
     (lambda llm: llm.chat([{"content": "hi"}]), r"message 0 needs 'role' and 'content'"),
     (lambda llm: llm.chat([{"role": "robot", "content": "hi"}]), r"role 'robot'; use one of"),
     (lambda llm: llm.chat([{"role": "user", "content": 3}]), r"content must be a string, got int"),
     (lambda llm: llm.chat([]), r"non-empty list"),
     (lambda llm: llm.generate(5), r"prompts must be a string"),
     (lambda llm: llm.generate(PROMPT, 0), r"sampling params must be a SamplingParams, got int"),
-    (lambda llm: llm.generate({"prompt_token_ids": "12"}), r"prompt token ids must be a list of ints, got str"),
+    (lambda llm: llm.generate({"prompt_token_ids": "12"}),
+     r"prompt token ids must be a list of ints, got str"),
     (lambda llm: LLM("tiny-qwen3", max_num_seqs="4"), r"max_num_seqs must be int, got '4'"),
 ])
 def test_bad_input_names_the_parameter_and_what_is_allowed(llm, baseline, call, match):
@@ -156,7 +162,8 @@ def test_a_broken_checkpoint_names_the_file_or_tensor(tmp_path, how, match):
 def workload(seed: int, n: int) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(1000, 50_000) for _ in range(12)]
-    return [(shared if rng.random() < 0.5 else []) + [rng.randrange(1000, 50_000) for _ in range(rng.randint(3, 20))]
+    return [(shared if rng.random() < 0.5 else [])
+            + [rng.randrange(1000, 50_000) for _ in range(rng.randint(3, 20))]
             for _ in range(n)]
 
 
@@ -195,8 +202,9 @@ def soak(llm, num_requests: int, seed: int) -> dict:
             if pending:
                 i = pending.pop()
                 params = SamplingParams(
-                    n=rng.choice([1, 1, 1, 2]), temperature=rng.choice([0.0, 0.8]), seed=rng.choice([None, i]),
-                    max_tokens=rng.randint(1, 24), stop=rng.choice([None, None, "a", ["e", "o"]]),
+                    n=rng.choice([1, 1, 1, 2]), temperature=rng.choice([0.0, 0.8]),
+                    seed=rng.choice([None, i]), max_tokens=rng.randint(1, 24),
+                    stop=rng.choice([None, None, "a", ["e", "o"]]),
                     ignore_eos=rng.random() < 0.7, top_k=rng.choice([-1, 20]))
                 rid = engine.add_request({"prompt_token_ids": ids[i]}, params)
                 live[rid] = {"params": params, "abort_at": rng.choice([None] * 8 + ["waiting", "running"])}
@@ -237,7 +245,8 @@ def run_soak(num_requests: int, repeats: int = 3) -> list[tuple[dict, float, flo
         t0 = time.perf_counter()
         stats = soak(llm, num_requests, seed=r)
         results.append((stats, time.perf_counter() - t0, rss_mb()))
-        print(f"soak repeat {r}: {num_requests} requests, {stats}, {results[-1][1]:.1f} s, RSS {results[-1][2]:.0f} MiB")
+        print(f"soak repeat {r}: {num_requests} requests, {stats}, {results[-1][1]:.1f} s, "
+              f"RSS {results[-1][2]:.0f} MiB")
     return results
 
 
@@ -249,8 +258,9 @@ def test_soak_short():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("NANOENGINE_SOAK"), reason="the 2,000-request soak takes ~15 min on 2 cores; "
-                    "run it with NANOENGINE_SOAK=1 pytest tests/test_reliability.py -k soak_long -s")
+@pytest.mark.skipif(not os.environ.get("NANOENGINE_SOAK"),
+                    reason="the 2,000-request soak takes ~15 min on 2 cores; run it with "
+                           "NANOENGINE_SOAK=1 pytest tests/test_reliability.py -k soak_long -s")
 def test_soak_long():
     results = run_soak(2000)
     first, last = results[0][2], results[-1][2]

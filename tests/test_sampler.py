@@ -1,4 +1,5 @@
-"""Sampler: greedy, filters that never leak a disallowed token, seeded reproducibility independent of the batch."""
+"""Sampler: greedy, filters that never leak a disallowed token, seeded reproducibility independent of the
+batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def batch(temps, top_k=None, top_p=None, min_p=None, gens=None):
     B = len(temps)
     return SamplingBatch(
         temperatures=torch.tensor(temps, dtype=torch.float32),
-        top_ks=None if top_k is None else torch.tensor(top_k), top_ps=None if top_p is None else torch.tensor(top_p),
+        top_ks=None if top_k is None else torch.tensor(top_k),
+        top_ps=None if top_p is None else torch.tensor(top_p),
         min_ps=None if min_p is None else torch.tensor(min_p), generators=gens or [None] * B,
         all_greedy=all(t == 0 for t in temps))
 

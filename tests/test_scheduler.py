@@ -23,7 +23,8 @@ EOS = 9
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=128, caching=True):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(bm, {EOS}, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
+    return Scheduler(bm, {EOS}, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                     max_model_len=max_model_len)
 
 
 def seq_of(sched, tokens, **sp):
@@ -212,7 +213,8 @@ def test_sibling_of_aborted_first_is_not_stuck():
 @pytest.mark.parametrize(("prompt", "max_tokens", "msg"), [
     (10, 7, r"10 tokens \+ max_tokens=7 = 17 exceeds max_model_len=16"),
     (16, None, r"prompt of 16 tokens leaves no room to generate within max_model_len=16"),
-    (8, 8, r"needs 4 KV blocks.*can never fit the KV pool of 3 blocks.*num_kvcache_blocks / kv_cache_memory_gb"),
+    (8, 8, r"needs 4 KV blocks.*can never fit the KV pool of 3 blocks"
+           r".*num_kvcache_blocks / kv_cache_memory_gb"),
 ])
 def test_admission_errors(prompt, max_tokens, msg):
     sched = make(num_blocks=3, block_size=4, max_model_len=16)

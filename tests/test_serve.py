@@ -126,7 +126,8 @@ def test_streamed_chat_concatenates_to_non_streamed(server):
     messages = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
     kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     full = server.client.chat.completions.create(**kw)
-    chunks = list(server.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(server.client.chat.completions.create(**kw, stream=True,
+                                                        stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == full.choices[0].message.content and text
@@ -141,7 +142,8 @@ def test_streamed_chat_concatenates_to_non_streamed(server):
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
     streamed = "".join(c["text"] for c in (json.loads(ln[6:])["choices"][0] for ln in lines[:-1]))
-    plain = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    plain = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                             temperature=0)
     assert streamed == plain.choices[0].text
 
 
@@ -230,7 +232,8 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError, match="role"):
         server.client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="top_p"):
-        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=0)
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              top_p=0)
     r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "tiny-qwen3", "messages": [',
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -259,7 +262,8 @@ def test_trace_endpoint_feeds_the_widgets(server):
     assert st.num_steps == len(tail.steps) and sum(st.totals) == sum(s.num_batched_tokens for s in tail.steps)
     update_trace(trace, server.url)  # only the new steps are fetched and appended, in order
     assert [s.step for s in trace.steps] == list(range(len(trace.steps)))
-    assert [s.stats for s in trace.steps[before:]] == [s.stats for s in tail.steps][:len(trace.steps) - before]
+    assert ([s.stats for s in trace.steps[before:]]
+            == [s.stats for s in tail.steps][:len(trace.steps) - before])
     assert set(trace.prompts) >= set(tail.prompts)
 
 
@@ -283,8 +287,8 @@ def test_bench_online_against_the_server(server, tmp_path):
 def test_sigterm_with_a_request_in_flight_exits_within_5_s():
     s = Server()
     try:
-        stream = s.client.completions.create(model=MODEL, prompt="Keep talking", max_tokens=900, temperature=0,
-                                             stream=True, extra_body={"ignore_eos": True})
+        stream = s.client.completions.create(model=MODEL, prompt="Keep talking", max_tokens=900,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
         it = iter(stream)
         next(it), next(it)
         t0 = time.monotonic()

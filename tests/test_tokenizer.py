@@ -36,7 +36,8 @@ def test_deltas_sum_to_full_decode(qwen3_tokenizer_path):
 
 def test_special_tokens_are_skipped_but_tags_kept():
     tok = qwen3_tokenizer()
-    for text, want in [("a<|im_end|>b", "ab"), ("<|box_start|>", ""), ("<think>x</think>", "<think>x</think>")]:
+    for text, want in [("a<|im_end|>b", "ab"), ("<|box_start|>", ""),
+                       ("<think>x</think>", "<think>x</think>")]:
         assert "".join(deltas_for(tok, tok.encode(text, add_special_tokens=False))) == want
 
 

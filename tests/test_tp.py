@@ -22,7 +22,8 @@ from nanoengine.distributed.workers import WorkerError
 # the notebooks' group: these tests start extra processes, and run beside a notebook they slowed it ~2x (the
 # notebook test's limit is wall time)
 pytestmark = [pytest.mark.xdist_group("notebooks"),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")]
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="reads /proc for child processes")]
 
 SHARED = "The paged KV cache stores keys and values in fixed-size blocks, so that " * 2
 PROMPTS = [SHARED + "prompt one", "Hi", SHARED + "and prompt two is a little longer than one", "x " * 70,
@@ -69,7 +70,8 @@ def test_tp2_equals_tp1_token_for_token(regime):
     one = LLM("tiny-qwen3", **options)
     want = [tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False)) for _ in range(2)]
     with LLM("tiny-qwen3", tensor_parallel_size=2, **options) as two:
-        assert two.engine.executor.runner.num_kv_heads == 1, "each of 2 ranks holds 1 of tiny-qwen3's 2 KV heads"
+        assert two.engine.executor.runner.num_kv_heads == 1, (
+            "each of 2 ranks holds 1 of tiny-qwen3's 2 KV heads")
         assert two.engine.block_manager.num_blocks == one.engine.block_manager.num_blocks
         for round in range(2):
             got = tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -78,7 +80,8 @@ def test_tp2_equals_tp1_token_for_token(regime):
             trace = two.trace
             assert trace.hit_tokens > 0, "the shared prefix should hit the prefix cache"
             if regime == "chunked":
-                assert any(e.prefill_tokens and e.num_computed_before for s in trace.steps for e in s.scheduled)
+                assert any(e.prefill_tokens and e.num_computed_before
+                           for s in trace.steps for e in s.scheduled)
             if regime == "tight_pool" and round == 0:
                 assert any(s.preempted for s in trace.steps), "the tight pool should have forced a preemption"
         # a prefill's logits through the sharded vocabulary == one process's
@@ -183,7 +186,8 @@ def sharded_vs_whole(tp):
         out["qkv"] = (qkv(x), torch.cat([mine(q, heads), mine(k, kv_heads), mine(v, kv_heads)], dim=-1))
         # o_proj: each rank multiplies its heads' outputs; the all-reduce makes the whole product
         attn_out = torch.randn(7, heads * d)  # [tokens, heads * head_dim]
-        whole_o, o = torch.nn.Linear(heads * d, hidden), RowParallelLinear(heads * d, hidden, bias=True, tp=tp)
+        whole_o, o = (torch.nn.Linear(heads * d, hidden),
+                      RowParallelLinear(heads * d, hidden, bias=True, tp=tp))
         load_from(whole_o, o)
         out["o_proj"] = (o(mine(attn_out, heads)), whole_o(attn_out))
         # vocab-parallel embedding (ids from every shard) and LM head (gathered on rank 0)
@@ -314,7 +318,8 @@ def test_the_driver_exiting_or_interrupted_leaves_no_orphan(how, tmp_path):
 
 def test_two_live_tp_engines_in_one_process_are_refused_clearly():
     with LLM("tiny-qwen3", tensor_parallel_size=2):
-        with pytest.raises(RuntimeError, match="already has a torch.distributed process group.*close it first"):
+        with pytest.raises(RuntimeError,
+                           match="already has a torch.distributed process group.*close it first"):
             LLM("tiny-qwen3", tensor_parallel_size=2)
     assert no_children_within(5) == []
 

@@ -20,10 +20,12 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=6, ignor
 PREFIX = [5, 17, 300, 42] * 8  # 32 tokens: two whole blocks of 16
 
 
-def run(backend: str, batches: list[list[list[int]]], params: SamplingParams | list, **options) -> tuple[list, dict]:
+def run(backend: str, batches: list[list[list[int]]], params: SamplingParams | list,
+        **options) -> tuple[list, dict]:
     """Generate each batch of prompts in turn on one engine: (token ids per prompt, StepStats totals).
     `params`: one SamplingParams for all, or one list per batch."""
-    llm = LLM("tiny-qwen3", device=DEVICE, dtype="float32", attention_backend=backend, block_size=16, **options)
+    llm = LLM("tiny-qwen3", device=DEVICE, dtype="float32", attention_backend=backend, block_size=16,
+              **options)
     assert llm.plan.attention_backend == backend
     tokens, totals = [], {"hits": 0, "preempted": 0, "max_prefill": 0, "cached_prompts": [],
                           "graphs": llm.plan.decode_mode.value}

@@ -33,8 +33,8 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
     err = (got.double() - want).abs()
     bad = err > ulp * 1.001 + 1e-6
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} values differ from float64 by more than "
-                           f"one bf16 step (worst {float((err / ulp).max()):.2f} steps)")
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} values differ from float64 by more "
+                           f"than one bf16 step (worst {float((err / ulp).max()):.2f} steps)")
 
 
 @pytest.mark.parametrize("layout", ["heads_first", "flash_attn"])
@@ -74,7 +74,8 @@ DECODE_CASES = ([(torch.bfloat16, *g, bs) for g in GQA for bs in (16, 256)]
 
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES,
                          ids=[f"{str(c[0])[6:]}-{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}" for c in DECODE_CASES])
-def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_kv_heads, head_dim,
+                                                          block_size):
     """Ragged contexts (1 token, within one block, across blocks) in scattered blocks, padded tables; one
     program per (sequence, kv head), or the context split 3 ways (short contexts leave splits empty), merged;
     and a context of 0 (CUDA-graph padding) gives zeros."""
@@ -92,7 +93,8 @@ def test_decode_with_and_without_split_k_equals_reference(dtype, num_heads, num_
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     context = torch.tensor(lens)
     scale = head_dim ** -0.5
-    want = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, context, scale)
+    want = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables,
+                                          context, scale)
     args = [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, context)]
     padded = [t.to(DEVICE) for t in (q[:2], k_cache, v_cache, block_tables[:2], torch.tensor([0, 37]))]
     for splits in (1, 3):
@@ -116,7 +118,8 @@ def test_backend_step_equals_dense_attention(dtype, num_heads, num_kv_heads, hea
     if dtype == torch.float32 and block_size == 16:
         pytest.skip("tests/test_attention.py covers float32 with small blocks")
     gen = torch.Generator().manual_seed(num_heads + block_size)
-    seqs = SEQS + [(300, 256), (256, 255)]  # a chunk after a whole block of 256; a fully cached 1-block prompt
+    # a chunk after a whole block of 256; a fully cached 1-block prompt
+    seqs = SEQS + [(300, 256), (256, 255)]
     b = make_batch("triton", seqs, num_heads, num_kv_heads, head_dim, block_size, gen,
                    num_blocks=16 if block_size == 256 else 100, dtype=dtype, device=DEVICE)
     # the fully cached prompt's last token: its K/V is in the cache already, so its slot is -1 and the

@@ -67,7 +67,8 @@ def run(tiny_qwen3_path):
     states = block_table_states(trace)
     # the workload must exercise what the views show; if the engine changes, retune the run above
     assert any(s.preempted for s in trace.steps), "the test run needs a preemption: shrink num_kvcache_blocks"
-    assert any(st.shared for st in states), "the test run needs a shared block (prefix-cache hit while running)"
+    assert any(st.shared for st in states), (
+        "the test run needs a shared block (prefix-cache hit while running)")
     assert any(st.num_cached for st in states), "the test run needs cached-free blocks"
     return llm, trace, states, snapshot
 
@@ -91,7 +92,8 @@ def test_owner_colours_are_the_same_in_every_step(run):
         assert st.seq_colors == states[0].seq_colors
         for c in st.cells:
             if c.owners:
-                assert c.colors == tuple(st.seq_colors[o] for o in c.owners), f"step {st.step} block {c.block_id}"
+                assert c.colors == tuple(st.seq_colors[o] for o in c.owners), (
+                    f"step {st.step} block {c.block_id}")
                 for o, col in zip(c.owners, c.colors):
                     seen.setdefault(o, set()).add(col)
             else:
@@ -142,7 +144,8 @@ def test_every_step_matches_the_live_block_manager(run):
     engine, bm = llm.engine, llm.engine.block_manager
     trace = engine.start_trace()
     for q, m in zip(QUESTIONS[:5], [6, 20, 10, 24, 14]):
-        engine.add(engine.make_request(SYSTEM + q, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)))
+        engine.add(engine.make_request(SYSTEM + q,
+                                       SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)))
     shared_seen = 0
     while engine.has_unfinished():
         engine.step()
@@ -231,7 +234,8 @@ def test_prefix_tree_paths_hashes_and_hits(run):
     for node in pt.nodes[1:]:
         assert node.hits + node.misses == sum(admissions[sid] for sid in node.seq_ids)
     # a hit of h tokens serves h // block_size blocks of the prompt
-    hit_blocks = sum(min(h, len(trace.prompts[sid]) // bs * bs) // bs for s in trace.steps for sid, h in s.cache_hits)
+    hit_blocks = sum(min(h, len(trace.prompts[sid]) // bs * bs) // bs
+                     for s in trace.steps for sid, h in s.cache_hits)
     assert sum(node.hits for node in pt.nodes) == hit_blocks > 0
     shared_root = pt.nodes[pt.root.children[0]]
     assert len(shared_root.seq_ids) == len(trace.prompts) and shared_root.hits > 0

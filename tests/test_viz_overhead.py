@@ -1,5 +1,6 @@
-"""nanoengine.viz.overhead (chapter 06): the dispatch counter against op counts known by construction, the step breakdown's arithmetic, the bucket padding against the engine's own
-DecodeGraphs.bucket_for, and the figures drawn from those numbers."""
+"""nanoengine.viz.overhead (chapter 06): the dispatch counter against op counts known by construction, the
+step breakdown's arithmetic, the bucket padding against the engine's own DecodeGraphs.bucket_for, and the
+figures drawn from those numbers."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ def test_per_op_cost_and_median_are_positive_times():
 
 
 def test_step_breakdown_arithmetic():
-    row = overhead.step_breakdown("x", measured_ms=10.0, num_ops=1000, op_us=4.0, bytes_moved=2e9, bandwidth_gbs=100)
+    row = overhead.step_breakdown("x", measured_ms=10.0, num_ops=1000, op_us=4.0, bytes_moved=2e9,
+                                  bandwidth_gbs=100)
     assert row["overhead_ms"] == 4.0 and row["memory_ms"] == 20.0
     assert row["predicted_ms"] == 24.0 and row["rest_ms"] == -14.0
 
 
 def test_bucket_padding_matches_the_engines_bucket_choice():
-    graphs = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", 40, max_blocks=2, hidden_size=2,
-                          block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    graphs = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", 40, max_blocks=2,
+                          hidden_size=2, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
     graphs.capture()
     batches = list(range(1, 46))
     assert overhead.bucket_padding(batches, graphs.buckets) == [(n, graphs.bucket_for(n)) for n in batches]

@@ -21,11 +21,12 @@ def runs(tiny_qwen3_path):
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(6, 20), ignore_eos=True) for _ in prompts]
     out = {}
     for budget, blocks in [(16, 10), (64, 10), (16, 40), (64, 40)]:
-        llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=blocks, max_num_batched_tokens=budget,
-                  max_num_seqs=4)
+        llm = LLM("tiny-qwen3", trace=True, block_size=16, num_kvcache_blocks=blocks,
+                  max_num_batched_tokens=budget, max_num_seqs=4)
         llm.generate(prompts, params, use_tqdm=False)
         out[budget, blocks] = llm.trace
-    assert any(s.preempted for s in out[16, 10].steps), "the small pool must preempt: shrink num_kvcache_blocks"
+    assert any(s.preempted for s in out[16, 10].steps), (
+        "the small pool must preempt: shrink num_kvcache_blocks")
     assert not any(s.preempted for s in out[64, 40].steps)
     return prompts, params, out
 
@@ -44,7 +45,8 @@ def test_lanes_follow_the_trace(runs):
                 assert st.kinds[sid][s.step] == "preempted"
         for sid, p in zip(sorted(trace.prompts), params):
             kinds = st.kinds[sid]
-            assert kinds.count("decode") == p.max_tokens - 1  # the first token comes with the last prefill chunk
+            # the first token comes with the last prefill chunk
+            assert kinds.count("decode") == p.max_tokens - 1
             assert all(k == "done" for k in kinds[st.finished_step[sid] + 1:])
 
 
@@ -74,7 +76,8 @@ def test_explorer_sliders_switch_runs(runs):
     assert "step" in view._info.value
     view.budget_slider.value, view.pool_slider.value = 16, 10
     assert view.step <= len(traces[16, 10].steps) - 1
-    for svg in (vhtml.request_lanes_svg(view.lane_states[16, 10], 2), vhtml.batch_svg(view.batch_states[16, 10], 2)):
+    for svg in (vhtml.request_lanes_svg(view.lane_states[16, 10], 2),
+                vhtml.batch_svg(view.batch_states[16, 10], 2)):
         ET.fromstring(svg)  # well-formed
     with pytest.raises(ValueError, match="missing"):
         ScheduleExplorer({k: v for k, v in traces.items() if k != (64, 40)})
