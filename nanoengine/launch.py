@@ -40,7 +40,8 @@ def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine
     tokenizer = load_tokenizer(model_path)
     if len(tokenizer) > hf_config.vocab_size:
         raise CheckpointError(f"{model_path}: the tokenizer has {len(tokenizer)} tokens but the model's "
-                              f"vocab_size is {hf_config.vocab_size}; the tokenizer files belong to another model")
+                              f"vocab_size is {hf_config.vocab_size}; "
+                              "the tokenizer files belong to another model")
     parts = assemble(plan)
     executor = start_executor(plan, parts)
     try:

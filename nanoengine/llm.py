@@ -33,7 +33,8 @@ class LLM:
         return self.tokenizer
 
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
-        """Run a ModelRunner method, or fn(runner, *args), on every rank (vLLM's name); one result per rank."""
+        """Run a ModelRunner method, or fn(runner, *args), on every rank (vLLM's name);
+        one result per rank."""
         return self.engine.executor.collective_rpc(method, *args)
 
     def close(self) -> None:
@@ -52,8 +53,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise InvalidTypeError(f"prompts must be a string, a dict, a list of token ids, or a list of those; "
-                                   f"got {type(prompts).__name__}")
+            raise InvalidTypeError("prompts must be a string, a dict, a list of token ids, "
+                                   f"or a list of those; got {type(prompts).__name__}")
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
@@ -63,8 +64,8 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise InvalidValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                                        "pass one for all or one per prompt")
+                raise InvalidValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
+                                        "prompts; pass one for all or one per prompt")
             params = list(sampling_params)
         else:
             params = [SamplingParams() if sampling_params is None else sampling_params] * len(prompts)
@@ -108,11 +109,12 @@ class LLM:
 
     def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise InvalidTypeError("chat takes a conversation (a non-empty list of {'role', 'content'} dicts) or a "
-                                   f"list of conversations; got {messages!r:.80}")
+            raise InvalidTypeError("chat takes a conversation (a non-empty list of {'role', 'content'} "
+                                   f"dicts) or a list of conversations; got {messages!r:.80}")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise InvalidTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+            raise InvalidTypeError("chat_template_kwargs must be a dict, got "
+                                   f"{type(chat_template_kwargs).__name__}")
         return [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **(chat_template_kwargs or {}))}
                 for c in convs]
 

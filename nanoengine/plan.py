@@ -13,8 +13,8 @@ checked, and an option that cannot work here is an error saying why and what wou
 - block size: 256 for flash_attn, else 16 (`triton` takes any power of two, `torch` and `cpu` any size);
 - the KV pool: a block count when it is known before the model is built, else (CUDA) a share of GPU memory;
 - one decode mode (chapter 06): CUDA graphs on CUDA unless enforce_eager=True (or the backend cannot run in a
-  graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with the
-  `cpu` backend the whole layer stack in one C++ call; else eager;
+  graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with
+  the `cpu` backend the whole layer stack in one C++ call; else eager;
 - torch.compile of the small fused ops and the sampler (default: on CUDA only).
 Resolving never compiles anything: it asks whether the CPU kernels are built or can be built here, whether
 triton is installed (and on CPU, whether its interpreter is on), and whether flash_attn imports.
@@ -44,9 +44,9 @@ DEFAULT_BLOCK_SIZE = {"torch": 16, "cpu": 16, "triton": 16, "flash_attn": 256}
 FLASH_ATTN_DTYPES = ("float16", "bfloat16")
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
-# Batches of up to this many rows multiply bf16 weight copies with the C++ kernel (layers.linear.use_bf16_weights):
-# on a CPU without a fast bf16 matmul the kernel beat the float32 matmul at 1..32 rows on weights streamed from
-# memory, and matched it on small cache-resident ones at 16-32 rows
+# Batches of up to this many rows multiply bf16 weight copies with the C++ kernel
+# (layers.linear.use_bf16_weights): on a CPU without a fast bf16 matmul, a linear over so few rows is bound by
+# streaming its weight from memory, which the bf16 copy halves; larger batches keep the float32 matmul
 BF16_WEIGHT_MAX_ROWS = 32
 
 
@@ -159,10 +159,12 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
         attention_backend=backend, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        enable_prefix_caching=config.enable_prefix_caching, kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block,
+        enable_prefix_caching=config.enable_prefix_caching, kv_cache=kv_cache,
+        kv_bytes_per_block=bytes_per_block,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
-        bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config), tensor_parallel_size=tp,
-        dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed, trace=config.trace, pieces=pieces)
+        bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config),
+        tensor_parallel_size=tp, dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
+        trace=config.trace, pieces=pieces)
 
 
 def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:
@@ -185,8 +187,8 @@ def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:
     if device == "cuda" and tp > torch.cuda.device_count():
         raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
                                 f"{torch.cuda.device_count()} CUDA device(s) are visible; use "
-                                f"tensor_parallel_size <= {torch.cuda.device_count()} or device='cpu' (gloo, for "
-                                "learning and testing)")
+                                f"tensor_parallel_size <= {torch.cuda.device_count()} or device='cpu' (gloo, "
+                                "for learning and testing)")
 
 
 def pick_dtype(want: str, device: str, hf_config: Any) -> str:
@@ -194,11 +196,11 @@ def pick_dtype(want: str, device: str, hf_config: Any) -> str:
     if dtype == "auto":
         dtype = str(shapes.checkpoint_dtype(hf_config)).removeprefix("torch.")
         if device == "cpu" and dtype in ("float16", "bfloat16") and not linear.onednn_bf16_available():
-            # a CPU without AVX-512 or AMX has no fast 16-bit matmul: bf16 linears ran several times slower
-            # than float32 there (and so does most of a laptop's prefill)
+            # a CPU without AVX-512 or AMX has no fast 16-bit matmul, so bf16 linears (and most of a laptop's
+            # prefill) run slower there than in float32
             dtype = "float32"
     if device == "cpu" and dtype == "float16":
-        dtype = "bfloat16"  # fp16 matmuls have no fast path on CPU (orders of magnitude slower than bf16)
+        dtype = "bfloat16"  # fp16 matmuls have no fast path on CPU
     return dtype
 
 
@@ -207,8 +209,9 @@ def pick_prepack(want: bool | None, device: str, dtype: str) -> bool:
         return False
     packable = device == "cpu" and dtype == "bfloat16" and linear.onednn_bf16_available()
     if want and not packable:
-        raise InvalidValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and a "
-                                "torch build with oneDNN bf16 on this CPU; leave prepack_weights=None (auto)")
+        raise InvalidValueError("EngineConfig: prepack_weights=True needs device='cpu', dtype='bfloat16' and "
+                                "a torch build with oneDNN bf16 on this CPU; "
+                                "leave prepack_weights=None (auto)")
     return packable
 
 
@@ -238,10 +241,10 @@ def pick_attention_backend(config: EngineConfig, device: str, dtype: str, pieces
             return allowed[0] if want == "auto" else want
         if want in allowed and device == "cpu":
             return pick_cpu_kernels(want)
-        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs your {', '.join(pieces.forward_pieces)} "
-                                f"pieces into the {' or '.join(allowed)} attention backend, so "
-                                f"attention_backend={want!r} cannot be used with them; leave attention_backend="
-                                f"'auto' (or '{allowed[0]}')")
+        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs your "
+                                f"{', '.join(pieces.forward_pieces)} pieces into the {' or '.join(allowed)} "
+                                f"attention backend, so attention_backend={want!r} cannot be used with them; "
+                                f"leave attention_backend='auto' (or '{allowed[0]}')")
     if want == "torch":
         return want
     if want == "triton":
@@ -251,13 +254,13 @@ def pick_attention_backend(config: EngineConfig, device: str, dtype: str, pieces
         return want
     if device == "cpu":
         if want == "flash_attn":
-            raise InvalidValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' only; on "
-                                    "CPU use 'auto' (the C++ kernels), 'cpu', 'torch' or 'triton' "
+            raise InvalidValueError("EngineConfig: attention_backend='flash_attn' runs on device='cuda' "
+                                    "only; on CPU use 'auto' (the C++ kernels), 'cpu', 'torch' or 'triton' "
                                     "(TRITON_INTERPRET=1)")
         return pick_cpu_kernels(want)
     if want == "cpu":
-        raise InvalidValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA use "
-                                "'auto', 'flash_attn', 'triton' or 'torch'")
+        raise InvalidValueError("EngineConfig: attention_backend='cpu' runs on device='cpu' only; on CUDA "
+                                "use 'auto', 'flash_attn', 'triton' or 'torch'")
     flash_problem = flash_attn_problem(flash_attn_backend.problem(), dtype, config.block_size)
     if want == "flash_attn":
         if flash_problem:
@@ -306,20 +309,22 @@ def check_block_size(backend: str, block_size: int) -> None:
     checked when it was picked)."""
     if backend == "triton" and block_size & (block_size - 1):
         lower = 1 << (block_size.bit_length() - 1)
-        raise InvalidValueError(f"EngineConfig: attention_backend='triton' needs a power-of-two block_size, not "
-                                f"{block_size}; use {lower} or {lower * 2} (default {DEFAULT_BLOCK_SIZE['triton']})")
+        raise InvalidValueError("EngineConfig: attention_backend='triton' needs a power-of-two block_size, "
+                                f"not {block_size}; use {lower} or {lower * 2} "
+                                f"(default {DEFAULT_BLOCK_SIZE['triton']})")
 
 
 def pick_torch_compile(config: EngineConfig, device: str, backend: str, pieces: PieceSelection) -> bool:
     if pieces.forward_pieces and config.torch_compile:
-        raise InvalidValueError(f"EngineConfig: torch_compile=True compiles the engine's own norm and rotary ops, "
-                                f"but {pieces.option} runs yours; leave torch_compile unset")
+        raise InvalidValueError("EngineConfig: torch_compile=True compiles the engine's own norm and rotary "
+                                f"ops, but {pieces.option} runs yours; leave torch_compile unset")
     if config.torch_compile is None:
         return device == "cuda" and not pieces.forward_pieces
     if config.torch_compile and backend == "cpu":
-        raise InvalidValueError("EngineConfig: torch_compile=True compiles the ops that attention_backend='cpu' "
-                                "already runs as fused C++ kernels; use attention_backend='torch' to compile them "
-                                "instead, or leave torch_compile unset")
+        raise InvalidValueError("EngineConfig: torch_compile=True compiles the ops that "
+                                "attention_backend='cpu' already runs as fused C++ kernels; use "
+                                "attention_backend='torch' to compile them instead, or leave "
+                                "torch_compile unset")
     return config.torch_compile
 
 
@@ -327,14 +332,14 @@ def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: b
                      pieces: PieceSelection) -> DecodeMode:
     """How decode steps run, decided once (chapter 06; see DecodeMode)."""
     if config.graph_stand_in and device != "cpu":
-        raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on CUDA "
-                                "the engine captures real graphs (leave graph_stand_in=False; enforce_eager=True "
-                                "turns them off)")
+        raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on "
+                                "CUDA the engine captures real graphs (leave graph_stand_in=False; "
+                                "enforce_eager=True turns them off)")
     if pieces.graph_pieces and (device != "cpu" or config.enforce_eager):
         names = ", ".join(map(repr, pieces.graph_pieces))
         raise InvalidValueError(f"EngineConfig: use_exercises with {names} runs decode steps through your "
-                                "stand-in graphs, which run on device='cpu' only and not with enforce_eager=True; "
-                                f"drop {names} or use device='cpu' without enforce_eager")
+                                "stand-in graphs, which run on device='cpu' only and not with "
+                                f"enforce_eager=True; drop {names} or use device='cpu' without enforce_eager")
     if config.graph_stand_in and config.enforce_eager:
         raise InvalidValueError("EngineConfig: graph_stand_in=True runs decode through (stand-in) graphs and "
                                 "enforce_eager=True forbids graphs; pick one")
@@ -342,8 +347,8 @@ def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: b
         return DecodeMode.STAND_IN
     if device == "cuda" and not config.enforce_eager:
         if not get_backend(backend).cuda_graphs:
-            warnings.warn(f"nanoengine: attention_backend={backend!r} cannot run inside a CUDA graph (its store "
-                          "decides on the host which slots to skip), so decode steps run eagerly; use "
+            warnings.warn(f"nanoengine: attention_backend={backend!r} cannot run inside a CUDA graph (its "
+                          "store decides on the host which slots to skip), so decode steps run eagerly; use "
                           "attention_backend='triton' for CUDA graphs, or enforce_eager=True to say so",
                           stacklevel=4)
             return DecodeMode.EAGER

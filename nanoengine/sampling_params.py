@@ -39,9 +39,10 @@ class SamplingParams:
         self.temperature = _number("temperature", self.temperature, lo=0.0,
                                    fix="use 0 for greedy decoding, or a positive temperature such as 0.7")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise _bad(f"temperature={self.temperature!r} is too small to differ from greedy and overflows the "
-                       f"scaled logits", f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE}")
-        self.top_k = -1 if self.top_k is None else _integer("top_k", self.top_k, lo=-1, fix="use -1 to disable")
+            raise _bad(f"temperature={self.temperature!r} is too small to differ from greedy and overflows "
+                       "the scaled logits", f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE}")
+        self.top_k = (-1 if self.top_k is None
+                      else _integer("top_k", self.top_k, lo=-1, fix="use -1 to disable"))
         if self.top_k == 0:
             self.top_k = -1
         self.top_p = _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, fix="use 1.0 to disable")
@@ -55,7 +56,8 @@ class SamplingParams:
                                    fix="min_tokens is at most max_tokens")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(f"{name} must be True or False, got {getattr(self, name)!r}", "pass a bool", InvalidTypeError)
+                raise _bad(f"{name} must be True or False, got {getattr(self, name)!r}", "pass a bool",
+                           InvalidTypeError)
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
         elif self.stop is None:
@@ -66,11 +68,12 @@ class SamplingParams:
             raise _bad(f"stop must be a string or a list of strings, got {type(self.stop).__name__}",
                        "pass e.g. stop=['\\n\\n']", InvalidTypeError)
         if any(not isinstance(s, str) or not s for s in self._stop_list):
-            raise _bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}", "remove empty stops")
+            raise _bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+                       "remove empty stops")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if not isinstance(ids, (list, tuple)):
-            raise _bad(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}", "pass e.g. [2]",
-                       InvalidTypeError)
+            raise _bad(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}",
+                       "pass e.g. [2]", InvalidTypeError)
         self.stop_token_ids = [_integer("stop_token_ids", t, lo=0, fix="token ids are >= 0") for t in ids]
 
     @property
@@ -96,7 +99,8 @@ def _integer(name: str, value: Any, lo: int, hi: int | None = None, fix: str = "
     return value
 
 
-def _number(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False, fix: str = "") -> float:
+def _number(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False,
+            fix: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"{name} must be a number, got {value!r} ({type(value).__name__})", fix, InvalidTypeError)
     value = float(value)

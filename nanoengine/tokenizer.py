@@ -17,9 +17,9 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 REPLACEMENT_CHAR = "\ufffd"
 
 
-# path and tokenizer files' stamps -> a loaded tokenizer; each engine gets its own deep copy of it (the Qwen3
-# tokenizer takes 2-4 s to load, mostly parsing its JSON in Python; a copy ~0.3 s), so an engine that edits
-# its tokenizer (a chat template, added tokens) changes no other engine's
+# path and tokenizer files' stamps -> a loaded tokenizer; each engine gets its own deep copy of it (loading
+# the Qwen3 tokenizer is mostly parsing its JSON in Python, which a copy skips), so an engine that edits its
+# tokenizer (a chat template, added tokens) changes no other engine's
 _LOADED: dict[tuple, Any] = {}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -44,13 +44,15 @@ def _load_tokenizer(path: str | Path):
 
     vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json")  # transformers would build an empty one
     if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in vocab_files):
-        raise CheckpointError(f"{path}: its tokenizer could not be loaded (none of {', '.join(vocab_files)}); a model "
-                              "folder needs its tokenizer files (tokenizer.json and tokenizer_config.json)")
+        raise CheckpointError(f"{path}: its tokenizer could not be loaded (none of "
+                              f"{', '.join(vocab_files)}); a model folder needs its tokenizer files "
+                              "(tokenizer.json and tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: its tokenizer could not be loaded ({type(e).__name__}: {str(e)[:200]}); a model "
-                              "folder needs its tokenizer files (tokenizer.json and tokenizer_config.json)") from e
+        raise CheckpointError(f"{path}: its tokenizer could not be loaded ({type(e).__name__}: "
+                              f"{str(e)[:200]}); a model folder needs its tokenizer files "
+                              "(tokenizer.json and tokenizer_config.json)") from e
 
 
 def eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
@@ -74,19 +76,22 @@ def check_messages(messages: Any) -> None:
         raise InvalidTypeError(f"a conversation is a non-empty list of messages, got {messages!r:.80}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise InvalidTypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+            raise InvalidTypeError(f"message {i} must be a dict with 'role' and 'content', "
+                                   f"got {type(m).__name__}")
         if "role" not in m or "content" not in m:
             raise InvalidValueError(f"message {i} needs 'role' and 'content'; it has {sorted(m)}")
         if m["role"] not in CHAT_ROLES:
             raise InvalidValueError(f"message {i} has role {m['role']!r}; use one of {CHAT_ROLES}")
         if not isinstance(m["content"], str):
-            raise InvalidTypeError(f"message {i}'s content must be a string, got {type(m['content']).__name__}")
+            raise InvalidTypeError(f"message {i}'s content must be a string, "
+                                   f"got {type(m['content']).__name__}")
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
     check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        raise InvalidValueError("this model's tokenizer has no chat template; "
+                                "use generate() with plain prompts")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -97,7 +102,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # a fast tokenizer's Rust backend decodes ~3x faster than the Python wrapper (which only adds
+        # a fast tokenizer's Rust backend decodes without the overhead of the Python wrapper (which only adds
         # clean-up of spaces when the tokenizer asks for it); this runs once per generated token
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend

@@ -40,7 +40,8 @@ class StepStats:
         stamps (start, scheduled, inputs built, forward done, end)."""
         t0, t1, t2, t3, t4 = times
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        return cls(num_seqs=len(out.scheduled), prefill_tokens=prefill, decode_tokens=out.num_batched_tokens - prefill,
+        return cls(num_seqs=len(out.scheduled), prefill_tokens=prefill,
+                   decode_tokens=out.num_batched_tokens - prefill,
                    used_blocks=block_manager.num_used_blocks, num_blocks=block_manager.num_blocks,
                    cache_hit_tokens=sum(h for _, h in out.cache_hits), num_preempted=len(out.preempted),
                    schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, postprocess_s=t4 - t3,
@@ -71,7 +72,8 @@ class StepTrace:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     ref_counts: dict[int, int] = field(default_factory=dict)
     cached_free_blocks: list[int] = field(default_factory=list)
-    block_hashes: dict[int, int] = field(default_factory=dict)  # block_id -> chained hash (full, computed blocks)
+    # block_id -> chained hash (full, computed blocks)
+    block_hashes: dict[int, int] = field(default_factory=dict)
     block_tokens: dict[int, list[int]] = field(default_factory=dict)  # block_id -> token ids (hashed blocks)
     seq_num_tokens: dict[int, int] = field(default_factory=dict)  # running seq_id -> tokens so far
 
@@ -142,8 +144,8 @@ class RunTrace:
         """Append the step that produced SchedulerOutput `out` (after postprocess: num_computed_tokens already
         counts this step's tokens), with a snapshot of the running sequences and the block manager."""
         bm = block_manager
-        entries = [ScheduledEntry(s.seq.seq_id, s.num_new_tokens if s.is_prefill else 0, 0 if s.is_prefill else 1,
-                                  s.seq.num_computed_tokens - s.num_new_tokens)
+        entries = [ScheduledEntry(s.seq.seq_id, s.num_new_tokens if s.is_prefill else 0,
+                                  0 if s.is_prefill else 1, s.seq.num_computed_tokens - s.num_new_tokens)
                    for s in out.scheduled]
         hashed = [b for b in bm.blocks if b.hash is not None]
         step = StepTrace(

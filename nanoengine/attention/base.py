@@ -27,7 +27,8 @@ class AttentionBackend(nn.Module, ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
         self.k_cache = self.v_cache = torch.tensor([])  # bound by the model runner; empty: no cache yet
 
     @staticmethod
@@ -41,7 +42,8 @@ class AttentionBackend(nn.Module, ABC):
         """What every layer of one step reads (index tensors, masks, lengths in the kernels' types)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """Store k, v [num_tokens, num_kv_heads, head_dim] and attend q [num_tokens, num_heads, head_dim];
         returns [num_tokens, num_heads, head_dim]. With no cache bound (a warm-up forward, a test), prompts
         attend over their own new tokens only."""

@@ -73,7 +73,8 @@ class FlashAttnAttention(AttentionBackend):
 
         from nanoengine.kernels.triton_store import store_kv
 
-        self.varlen, self.with_kvcache, self.store_kv = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+        self.store_kv = store_kv
 
     @classmethod
     def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> FlashAttnPlan:
@@ -89,11 +90,13 @@ class FlashAttnAttention(AttentionBackend):
                           meta.decode_context_lens.int() if nd else None,
                           max(meta.prefill_query_lens, default=0), max(meta.prefill_context_lens, default=0))
         if p.max_seqlen_q:
-            p.cu_seqlens_q, p.cu_seqlens_k = cumulative(meta.prefill_query_lens), cumulative(meta.prefill_context_lens)
+            p.cu_seqlens_q = cumulative(meta.prefill_query_lens)
+            p.cu_seqlens_k = cumulative(meta.prefill_context_lens)
             p.prefill_block_tables = padded_tables(meta.prefill_block_tables, device).int()
         return p
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
             return prompts_without_cache(q, k, v, meta, self.scale)

@@ -20,7 +20,8 @@ class AttentionPlan:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) per new token; -1 = skip
+    # [num_tokens] int64: cache slot (block * block_size + offset) per new token; -1 = skip
+    slot_mapping: torch.Tensor
     num_decode_seqs: int  # the first num_decode_seqs sequences have exactly one query token
     decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor | None  # [num_decode_seqs] int64: tokens in cache incl. the new one
@@ -42,4 +43,5 @@ class AttentionMetadata:
         return dataclasses.replace(self, slot_mapping=move(self.slot_mapping),
                                    decode_block_tables=move(self.decode_block_tables),
                                    decode_context_lens=move(self.decode_context_lens),
-                                   prefill_block_tables=[move(t) for t in self.prefill_block_tables], plan=None)
+                                   prefill_block_tables=[move(t) for t in self.prefill_block_tables],
+                                   plan=None)

@@ -6,7 +6,7 @@ writing go through flat 2-D views of it, so each copy moves whole contiguous row
 - gather: [num_kv_heads * num_blocks, block_size * head_dim], one row per (kv head, block). Gathering a
   batch's block tables for every head gives [num_kv_heads, batch, tokens, head_dim] with no further copy,
   which is what the grouped-query matmuls want. (On CPU, `index_select` along dim 0 of a 2-D tensor is a
-  row memcpy; along dim 1 of the 4-D cache it was up to 4x slower.)
+  row memcpy; along dim 1 of the 4-D cache it is not, and is slower.)
 The row indices and the decode length mask depend only on the batch: `TorchAttention.plan` computes them
 once per step (the runner calls it before the forward) and every layer reads them from `meta.plan`.
 Decode: one gather for the whole batch, scores in fp32, length mask, softmax, matmul with V.
@@ -49,7 +49,8 @@ def store_index(slot_mapping: torch.Tensor,
 
 def decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor,
                  kv_cache_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of the block view for every kv head and table entry, mask [1, B, 1, L]: True = past the context)."""
+    """(rows of the block view for every kv head and table entry, mask [1, B, 1, L]:
+    True = past the context)."""
     num_kv_heads, num_blocks, block_size, _ = kv_cache_shape
     rows = per_head_rows(block_tables.flatten(), num_kv_heads, num_blocks)  # [kvh * B * max_blocks]
     positions = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)  # [L]
@@ -83,7 +84,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V at its slot (block * block_size + offset); slot -1 = already cached, skip."""
+    """Write each new token's K/V at its slot (block * block_size + offset);
+    slot -1 = already cached, skip."""
     write_kv(k, v, k_cache, v_cache, *store_index(slot_mapping, k_cache.shape))
 
 
@@ -117,8 +119,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out.transpose(0, 1).reshape(B, num_heads, head_dim)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention of one query token per sequence over its cached tokens (block_tables [B, max_blocks]
     padded with any block id, context_lens [B] including the new token)."""
     return paged_decode(q, k_cache, v_cache, *decode_index(block_tables, context_lens, k_cache.shape), scale)
@@ -128,7 +130,8 @@ GROUPED_PREFILL_MAX_SCORES = 1 << 21  # q_len * k_len up to this: grouped matmul
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last q_len positions over k_len >= q_len keys (a cached prefix shifts the mask)."""
+    """Causal attention of the last q_len positions over k_len >= q_len keys (a cached prefix shifts the
+    mask)."""
     # q [q_len, num_heads, head_dim]; k, v [num_kv_heads, k_len, head_dim] (heads first)
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, k_len = k.shape[0], k.shape[1]
@@ -136,7 +139,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     visible = torch.arange(k_len, device=q.device)[None, :] <= pos_q[:, None]  # [q_len, k_len]
     if q_len * k_len <= GROUPED_PREFILL_MAX_SCORES:
         # grouped-query matmuls, as in decode: each kv head serves its group of query heads in one matmul
-        # (about 2x faster than scaled_dot_product_attention in bf16 on CPU for prompts of a few hundred tokens)
+        # (in bf16 on CPU they beat scaled_dot_product_attention for prompts of a few hundred tokens)
         group = num_heads // num_kv_heads
         qg = q.transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)  # [kvh, group * q_len, d]
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kvh, group * q_len, k_len]
@@ -177,7 +180,8 @@ class TorchAttention(AttentionBackend):
                                                         kv_cache_shape)
         return p
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         out = torch.empty_like(q)
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens

@@ -31,7 +31,8 @@ class TritonPlan(AttentionPlan):
     """What every layer of one step reuses."""
     decode_num_splits: int  # split-K programs per (decode sequence, kv head)
     prefill_max_query_len: int  # 0: no prefill in this step (then the tensors below are None)
-    prefill_query_starts: torch.Tensor | None = None  # [num_prefills] int64: each chunk's first row in the batch
+    # [num_prefills] int64: each chunk's first row in the batch
+    prefill_query_starts: torch.Tensor | None = None
     prefill_query_lens: torch.Tensor | None = None  # [num_prefills] int64
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64: cached prefix + new tokens
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64, padded with block 0
@@ -81,7 +82,8 @@ class TritonAttention(AttentionBackend):
                           ints(meta.prefill_query_lens), ints(meta.prefill_context_lens),
                           padded_tables(meta.prefill_block_tables, device))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
             return prompts_without_cache(q, k, v, meta, self.scale)
@@ -93,6 +95,7 @@ class TritonAttention(AttentionBackend):
             self.paged_decode(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
                               meta.decode_context_lens, self.scale, p.decode_num_splits, out=out[:nd])
         if p.prefill_max_query_len:
-            self.paged_prefill(q, self.k_cache, self.v_cache, out, p.prefill_block_tables, p.prefill_query_starts,
-                               p.prefill_query_lens, p.prefill_context_lens, p.prefill_max_query_len, self.scale)
+            self.paged_prefill(q, self.k_cache, self.v_cache, out, p.prefill_block_tables,
+                               p.prefill_query_starts, p.prefill_query_lens, p.prefill_context_lens,
+                               p.prefill_max_query_len, self.scale)
         return out

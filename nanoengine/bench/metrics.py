@@ -1,4 +1,5 @@
-"""Benchmark metrics from plain numbers: percentiles, per-request latencies, per-step engine stats. Chapter 08.
+"""Benchmark metrics from plain numbers: percentiles, per-request latencies, per-step engine stats.
+Chapter 08.
 
 Definitions (all in seconds, per request):
 - TTFT, time to first token = first_token_time - arrival_time (includes queueing when requests arrive
@@ -67,7 +68,8 @@ def request_latencies(metrics: Sequence[Any]) -> dict[str, Any]:
 def throughput(prompt_tokens: int, output_tokens: int, seconds: float) -> dict[str, float]:
     s = max(seconds, 1e-12)
     return {"seconds": seconds, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-            "output_tokens_per_s": output_tokens / s, "total_tokens_per_s": (prompt_tokens + output_tokens) / s}
+            "output_tokens_per_s": output_tokens / s,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / s}
 
 
 def step_summary(stats: Sequence[StepStats], prompt_tokens: int, big_batch: int = 200) -> dict[str, Any]:
@@ -122,5 +124,6 @@ def step_series(stats: Sequence[StepStats], t0: float | None = None) -> dict[str
         first = stats[0]
         t0 = first.time - first.duration_s
     return {"time": [round(s.time - t0, 6) for s in stats], "num_seqs": [s.num_seqs for s in stats],
-            "prefill_tokens": [s.prefill_tokens for s in stats], "decode_tokens": [s.decode_tokens for s in stats],
+            "prefill_tokens": [s.prefill_tokens for s in stats],
+            "decode_tokens": [s.decode_tokens for s in stats],
             "used_blocks": [s.used_blocks for s in stats], "num_blocks": stats[0].num_blocks}

@@ -80,7 +80,8 @@ async def _one(client: Any, model: str, prompt: list[int], max_tokens: int, temp
     return m
 
 
-async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float, want: str | None) -> dict[str, Any]:
+async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float,
+                 want: str | None) -> dict[str, Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -88,7 +89,8 @@ async def _drive(url: str, wl: Workload, arrivals: list[float], timeout: float, 
         models = (await client.get("/v1/models")).json()["data"]
         model = models[0]["id"]
         if want is not None and Path(want).name != Path(model).name:
-            raise ValueError(f"--model {want} but the server at {url} serves {model!r}; leave --model out with --url")
+            raise ValueError(f"--model {want} but the server at {url} serves {model!r}; "
+                             "leave --model out with --url")
         before = server_counters((await client.get("/metrics")).text)
         start = time.perf_counter()
         metrics = await asyncio.gather(*(_one(client, model, p, n, wl.temperature, start, at)
@@ -111,7 +113,8 @@ def run_served(url: str, workload: str | Workload = "cpu-small", num_requests: i
     got = asyncio.run(_drive(url, wl, arrivals, timeout, model))
     n_out = sum(m.num_output_tokens for m in got["metrics"])
     if n_out != wl.num_output_tokens:
-        raise RuntimeError(f"ignore_eos: expected {wl.num_output_tokens} output tokens, the server made {n_out}")
+        raise RuntimeError(f"ignore_eos: expected {wl.num_output_tokens} output tokens, "
+                           f"the server made {n_out}")
     s = got["server"]
     steps = s["nanoengine_step_batch_size_count"]
     return {"url": url, "model": got["model"], "workload": wl.name, "num_requests": len(wl),
@@ -120,7 +123,8 @@ def run_served(url: str, workload: str | Workload = "cpu-small", num_requests: i
             "online": {"request_rate": request_rate, "arrival_seed": seed, "last_arrival_s": arrivals[-1],
                        "achieved_request_rate": len(wl) / got["seconds"], "arrival_times": arrivals},
             "server_steps": {"num_steps": steps,
-                             "mean_batch_size": s["nanoengine_step_batch_size_sum"] / steps if steps else None,
+                             "mean_batch_size": (s["nanoengine_step_batch_size_sum"] / steps
+                                                 if steps else None),
                              "preemptions": s["nanoengine_num_preemptions_total"],
                              "prefix_hit_tokens": s["nanoengine_prefix_cache_hit_tokens_total"]}}
 
@@ -131,15 +135,18 @@ def _ms(summary: dict[str, Any]) -> str:
 
 def report_served(r: dict[str, Any]) -> str:
     lat, o, st = r["latency"], r["online"], r["server_steps"]
-    rate = "all at once" if o["request_rate"] == float("inf") else f"Poisson arrivals at {o['request_rate']:g} req/s"
+    rate = ("all at once" if o["request_rate"] == float("inf")
+            else f"Poisson arrivals at {o['request_rate']:g} req/s")
     mean_batch = "-" if st["mean_batch_size"] is None else f"{st['mean_batch_size']:.1f}"
     return "\n".join([
-        f"served: {r['model']} at {r['url']}, workload {r['workload']} ({r['num_requests']} requests, {rate})",
+        f"served: {r['model']} at {r['url']}, workload {r['workload']} "
+        f"({r['num_requests']} requests, {rate})",
         f"  output {r['output_tokens_per_s']:.1f} tok/s, total {r['total_tokens_per_s']:.1f} tok/s in "
         f"{r['seconds']:.2f} s; achieved {o['achieved_request_rate']:.2f} req/s",
         f"  TTFT p50/p99 {_ms(lat['ttft_s'])} ms, TPOT p50/p99 {_ms(lat['tpot_s'])} ms, "
         f"e2e p50/p99 {_ms(lat['e2e_s'])} ms (at the client)",
-        f"  server: {st['num_steps']:.0f} steps, mean batch {mean_batch}, {st['preemptions']:.0f} preemptions, "
+        f"  server: {st['num_steps']:.0f} steps, mean batch {mean_batch}, "
+        f"{st['preemptions']:.0f} preemptions, "
         f"{st['prefix_hit_tokens']:.0f} prefix-cache hit tokens"])
 
 
@@ -150,8 +157,8 @@ def main(args: Any) -> int:
                        "--compare-prefix-caching": args.compare_prefix_caching or None}
     given = [flag for flag, value in in_process_only.items() if value is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} configure the in-process engine; with --url the server runs with the "
-                         "options it was started with (nanoengine serve --help)")
+        raise ValueError(f"{', '.join(given)} configure the in-process engine; with --url the server runs "
+                         "with the options it was started with (nanoengine serve --help)")
     if args.request_rate is not None and not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 requests/s (or inf), got {args.request_rate}")
     rate = float("inf") if args.request_rate is None else args.request_rate

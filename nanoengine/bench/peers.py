@@ -51,7 +51,8 @@ def hf_static_batches(model_path: Path, workload: Workload, batch_size: int, dty
     def generate(prompts: list[list[int]], n_new: int) -> None:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, width]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # [B, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=device)  # [B, width]
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=n_new, pad_token_id=pad, **sampling)
 
@@ -143,8 +144,8 @@ def run_peers(peers: list[str], model_path: Path, workload: Workload, batch_size
                 try:
                     if model is None:  # loaded once for all batch sizes
                         model = load_hf_model(model_path, dtype, device, quiet)
-                    results.append(hf_static_batches(model_path, workload, b, dtype, device, seed, quiet=quiet,
-                                                     model=model))
+                    results.append(hf_static_batches(model_path, workload, b, dtype, device, seed,
+                                                     quiet=quiet, model=model))
                 except Exception as e:  # a peer's failure is a result, not a crash
                     results.append({"peer": "hf", "name": f"transformers bs={b}", "error": repr(e)})
             del model
@@ -173,5 +174,6 @@ def parse_peers(text: str | None) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "none"]
     bad = [p for p in names if p not in PEERS]
     if bad:
-        raise ValueError(f"unknown peer(s) {', '.join(bad)}; use a comma-separated subset of {','.join(PEERS)}")
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; "
+                         f"use a comma-separated subset of {','.join(PEERS)}")
     return names

@@ -99,7 +99,8 @@ def plot_result(result: dict[str, Any]) -> Figure:
     hw = result.get("hardware", {})
     where = hw.get("gpu") or f"{hw.get('cpu', '?')}, {hw.get('threads', '?')} threads"
     fig.suptitle(f"nanoengine bench: {result['model']}, workload {result['workload']}"
-                 f"{' (online)' if result.get('online') else ''}, {result['num_requests']} requests on {where}",
+                 f"{' (online)' if result.get('online') else ''}, "
+                 f"{result['num_requests']} requests on {where}",
                  fontsize=10)
     return fig
 

@@ -58,7 +58,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [head, "-" * len(head)]
     lat = eng.get("latency", {})
     lines.append(f"{'nanoengine':<24} {eng['output_tokens_per_s']:>10.1f} {eng['total_tokens_per_s']:>12.1f} "
-                 f"{eng['seconds']:>9.2f} {'1.00x':>13} {_ms(lat.get('ttft_s')):>17} {_ms(lat.get('tpot_s')):>17}")
+                 f"{eng['seconds']:>9.2f} {'1.00x':>13} {_ms(lat.get('ttft_s')):>17} "
+                 f"{_ms(lat.get('tpot_s')):>17}")
     for p in result.get("peers", []):
         name = p.get("name", p["peer"])
         if "output_tokens_per_s" in p:
@@ -81,38 +82,43 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                      f"{o['achieved_request_rate']:.2f} req/s; e2e latency p50/p99 "
                      f"{_ms(eng['latency']['e2e_s'])} ms")
     r, cost = result["roofline"], result["cost"]
-    lines.append(f"roofline: {cost['flops'] / 1e12:.3f} TFLOP, {cost['bytes'] / 1e9:.2f} GB moved; measured GEMM "
-                 f"{c['gemm_gflops']:.0f} GFLOP/s ({c['gemm_dtype']}, {c['threads']} threads), copy "
-                 f"{c['memory_gbs']:.1f} GB/s")
+    lines.append(f"roofline: {cost['flops'] / 1e12:.3f} TFLOP, {cost['bytes'] / 1e9:.2f} GB moved; "
+                 f"measured GEMM {c['gemm_gflops']:.0f} GFLOP/s ({c['gemm_dtype']}, {c['threads']} threads), "
+                 f"copy {c['memory_gbs']:.1f} GB/s")
     lines.append(f"  bounds: compute {r['compute_bound_s']:.3f} s, memory {r['memory_bound_s']:.3f} s -> "
-                 f"{r['bound']}-bound limit {r['limit_s']:.3f} s; achieved {100 * r['achieved_fraction_of_limit']:.1f}% "
-                 f"of the limit")
-    lines.append(f"  compute-bound output tok/s {r['compute_bound_output_tokens_per_s']:.0f}; nanoengine reaches "
-                 f"{100 * r['fraction_of_compute_bound']:.1f}% of the compute bound")
+                 f"{r['bound']}-bound limit {r['limit_s']:.3f} s; "
+                 f"achieved {100 * r['achieved_fraction_of_limit']:.1f}% of the limit")
+    lines.append(f"  compute-bound output tok/s {r['compute_bound_output_tokens_per_s']:.0f}; "
+                 f"nanoengine reaches {100 * r['fraction_of_compute_bound']:.1f}% of the compute bound")
     oh = steps["host_overhead_ms"]
     if oh["mean"] is not None:
-        lines.append(f"scheduler + input preparation: {oh['mean']:.3f} ms/step mean, {oh['p50']:.3f} ms p50 over "
-                     f"{oh['num_steps']} {oh['overhead_steps']} (mean batch {oh['mean_batch']:.0f})")
+        lines.append(f"scheduler + input preparation: {oh['mean']:.3f} ms/step mean, "
+                     f"{oh['p50']:.3f} ms p50 over {oh['num_steps']} {oh['overhead_steps']} "
+                     f"(mean batch {oh['mean_batch']:.0f})")
     if oh.get("postprocess_mean") is not None:
-        lines.append(f"postprocess (append, stop rules, detokenize): {oh['postprocess_mean']:.3f} ms/step mean over "
-                     f"the same steps")
+        lines.append("postprocess (append, stop rules, detokenize): "
+                     f"{oh['postprocess_mean']:.3f} ms/step mean over the same steps")
     ss = result.get("single_stream")
     if ss:
         ms, frac = ss["step_ms"], ss["step_fraction"]
-        parts = ", ".join(f"{k} {ms[k]:.1f} ms ({100 * frac[k]:.0f}%)" for k in ("linears", "attention", "other", "host"))
+        parts = ", ".join(f"{k} {ms[k]:.1f} ms ({100 * frac[k]:.0f}%)"
+                          for k in ("linears", "attention", "other", "host"))
         rate = ss["decode_tokens_per_s"]
         lines.append(f"single stream ({ss['prompt_tokens']} prompt tokens): {rate:.1f} decode tok/s (TPOT "
-                     f"{ss['tpot_ms']:.1f} ms); a profiled decode step {ss['profiled_step_ms']:.1f} ms: {parts}")
-    bs, kv, pc = steps["batch_size"], steps["kv_use"], steps["prefix_cache"]
-    lines.append(f"batch size: peak {bs['peak']}, mean {bs['mean']:.1f} over {steps['num_steps']} steps; "
-                 f"KV cache use: peak {100 * kv['peak']:.1f}%, mean {100 * kv['mean']:.1f}% of "
+                     f"{ss['tpot_ms']:.1f} ms); a profiled decode step {ss['profiled_step_ms']:.1f} ms: "
+                     f"{parts}")
+    batch, kv, pc = steps["batch_size"], steps["kv_use"], steps["prefix_cache"]
+    lines.append(f"batch size: peak {batch['peak']}, mean {batch['mean']:.1f} over {steps['num_steps']} "
+                 f"steps; KV cache use: peak {100 * kv['peak']:.1f}%, mean {100 * kv['mean']:.1f}% of "
                  f"{kv['num_blocks']} blocks")
-    lines.append(f"prefix-cache hit rate: {100 * pc['hit_rate']:.1f}% ({pc['hit_tokens']} of {pc['prompt_tokens']} "
-                 f"prompt tokens); preemptions: {steps['preemptions']}")
+    lines.append(f"prefix-cache hit rate: {100 * pc['hit_rate']:.1f}% "
+                 f"({pc['hit_tokens']} of {pc['prompt_tokens']} prompt tokens); "
+                 f"preemptions: {steps['preemptions']}")
     if "without_prefix_caching" in result:
         w = result["without_prefix_caching"]
         lines.append(f"without prefix caching: {w['output_tokens_per_s']:.1f} output tok/s "
-                     f"({w['seconds']:.2f} s): prefix caching is {result['prefix_caching_speedup']:.2f}x faster")
+                     f"({w['seconds']:.2f} s): "
+                     f"prefix caching is {result['prefix_caching_speedup']:.2f}x faster")
     m = result["peak_memory"]
     lines.append(f"peak memory: {m['mib']:.0f} MiB ({m['what']})")
     for key, label in (("json_path", "JSON"), ("plot_path", "plot")):

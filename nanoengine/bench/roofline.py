@@ -7,8 +7,8 @@ memory and the compute units. With the machine's measured GEMM peak P (FLOP/s) a
     compute-bound time = FLOPs / P        memory-bound time = bytes / B        limit = max of the two.
 
 The achieved fraction of the machine's limit is limit / measured time (1.0 = perfect). The benchmark also
-reports the fraction of the compute bound: engine output tok/s / compute-bound output tok/s, where the compute-bound
-tok/s = output tokens / compute-bound time.
+reports the fraction of the compute bound: engine output tok/s / compute-bound output tok/s, where the
+compute-bound tok/s = output tokens / compute-bound time.
 
 FLOPs (kept simple, and stated so): every prompt token and every generated token but the last goes through
 the layers (the last sampled token is never fed back), so request i processes n_i = prompt_i + output_i - 1
@@ -22,7 +22,8 @@ Bytes (the minimal traffic for the schedule the engine ran):
   weights read once per engine step (all linear layers, norms and the LM head; an untied input embedding is a
   row gather and is left out) x number of steps; linears count at the bytes the engine keeps them in (a
   bf16 checkpoint run in float32 on CPU streams bf16 copies: 2 bytes each)
-  + the KV cache read by every decode token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes x context
+  + the KV cache read by every decode token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
+    x context
   + the KV cache written once for every processed position.
 Activations are left out (they are small next to the weights at these batch sizes).
 """

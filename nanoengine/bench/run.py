@@ -60,12 +60,14 @@ def run_engine(llm: LLM, wl: Workload, quiet: bool = True) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     if n_out != wl.num_output_tokens:
-        raise RuntimeError(f"ignore_eos: expected {wl.num_output_tokens} output tokens, the engine made {n_out}")
+        raise RuntimeError(f"ignore_eos: expected {wl.num_output_tokens} output tokens, "
+                           f"the engine made {n_out}")
     return _engine_numbers(llm, wl, [o.metrics for o in outs], [o.num_cached_tokens for o in outs], seconds,
                            start)
 
 
-def run_online(llm: LLM, wl: Workload, request_rate: float, seed: int = 0, quiet: bool = True) -> dict[str, Any]:
+def run_online(llm: LLM, wl: Workload, request_rate: float, seed: int = 0,
+               quiet: bool = True) -> dict[str, Any]:
     """Online: request i is added when its Poisson arrival time has passed; TTFT counts from that scheduled
     arrival (so it includes queueing). Each finished request is released at once."""
     from tqdm.auto import tqdm
@@ -114,12 +116,13 @@ def peak_memory(device: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         return {"mib": torch.cuda.max_memory_allocated() / 2**20, "what": "torch.cuda.max_memory_allocated"}
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"mib": kib / 1024, "what": "process peak RSS (ru_maxrss): the whole process, not just the KV cache"}
+    return {"mib": kib / 1024,
+            "what": "process peak RSS (ru_maxrss): the whole process, not just the KV cache"}
 
 
-def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-small", num_requests: int | None = None,
-          *, online: bool = False, request_rate: float | None = None, peers: list[str] | None = None,
-          peer_batches: list[int] | None = None, threads: int | None = None,
+def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-small",
+          num_requests: int | None = None, *, online: bool = False, request_rate: float | None = None,
+          peers: list[str] | None = None, peer_batches: list[int] | None = None, threads: int | None = None,
           engine_options: dict[str, Any] | None = None, out_dir: str | Path | None = "bench_results",
           figures_dir: str | Path | None = "figures", compare_prefix_caching: bool = False, seed: int = 0,
           quiet: bool = False, step_profile: bool = True) -> dict[str, Any]:
@@ -156,8 +159,8 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         wl = make_workload(workload, num_requests, vocab_size=plan.hf_config.vocab_size, seed=seed)
     device = plan.device
     if wl.name == "nano-vllm" and device == "cpu":
-        print("nanoengine bench: warning: the nano-vllm workload (256 requests up to 2048 tokens) takes hours on "
-              "a CPU; try --workload cpu-small", file=sys.stderr)
+        print("nanoengine bench: warning: the nano-vllm workload (256 requests up to 2048 tokens) takes "
+              "hours on a CPU; try --workload cpu-small", file=sys.stderr)
     if peer_batches is None:
         peer_batches = [64, 256] if device.startswith("cuda") else [8, 32]
     result: dict[str, Any] = {
@@ -165,17 +168,20 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         "workload_spec": wl.spec, "num_requests": len(wl), "prompt_tokens": wl.num_prompt_tokens,
         "output_tokens": wl.num_output_tokens, "online": online, "request_rate": request_rate,
         "sampling": f"temperature {wl.temperature}, ignore_eos, seeded by the engine seed {plan.seed}",
-        "dtype": plan.dtype, "engine_options": opts, "plan": plan.describe(), "hardware": hardware.describe(device)}
+        "dtype": plan.dtype, "engine_options": opts, "plan": plan.describe(),
+        "hardware": hardware.describe(device)}
     result["ceilings"] = hardware.measure(plan.torch_dtype, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     eng = run_online(llm, wl, request_rate, seed, quiet) if online else run_engine(llm, wl, quiet)
     result["nanoengine"] = eng
     result["peak_memory"] = peak_memory(device)
-    # decode steps stream the linears' bf16 copies where the engine keeps them (a bf16 checkpoint in float32 on CPU)
+    # decode steps stream the linears' bf16 copies where the engine keeps them
+    # (a bf16 checkpoint in float32 on CPU)
     weight_bytes = 2 if plan.bf16_weight_rows else None
     shape = ModelShape.from_hf_config(plan.hf_config, plan.torch_dtype.itemsize, weight_bytes)
-    cost = workload_cost(shape, wl.prompt_lens, wl.output_lens, eng["steps"]["num_steps"], eng["cached_tokens"])
+    cost = workload_cost(shape, wl.prompt_lens, wl.output_lens, eng["steps"]["num_steps"],
+                         eng["cached_tokens"])
     result["model_shape"] = shape_dict(shape)
     result["cost"] = cost
     c = result["ceilings"]
@@ -193,7 +199,7 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         del llm
         gc.collect()
         result["without_prefix_caching"] = {k: off[k] for k in ("seconds", "output_tokens_per_s",
-                                                                 "total_tokens_per_s")}
+                                                                "total_tokens_per_s")}
         result["without_prefix_caching"]["steps"] = {k: off["steps"][k] for k in ("num_steps", "batch_size",
                                                                                   "prefill_tokens")}
         result["prefix_caching_speedup"] = off["seconds"] / eng["seconds"]
@@ -201,7 +207,8 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         result["peers"] = [{"peer": p, "name": p if p != "hf" else "transformers",
                             "skipped": "online mode: peers run offline only"} for p in peers]
     else:
-        result["peers"] = run_peers(peers, model_path, wl, peer_batches, plan.torch_dtype, device, seed, quiet)
+        result["peers"] = run_peers(peers, model_path, wl, peer_batches, plan.torch_dtype, device, seed,
+                                    quiet)
     for p in result["peers"]:
         if p.get("output_tokens_per_s"):
             p["speedup"] = eng["output_tokens_per_s"] / p["output_tokens_per_s"]
@@ -219,9 +226,9 @@ def main(args: Any) -> int:
     if not isinstance(opts, dict):
         raise ValueError('--engine-options must be a JSON object, e.g. \'{"block_size": 32}\'')
     peers = [] if args.no_peers else parse_peers(args.peers)
-    r = bench(args.model, args.workload, args.num_requests, online=args.online, request_rate=args.request_rate,
-              peers=peers, peer_batches=args.peer_batches, threads=args.threads, engine_options=opts,
-              out_dir=args.out_dir, figures_dir=args.figures_dir,
+    r = bench(args.model, args.workload, args.num_requests, online=args.online,
+              request_rate=args.request_rate, peers=peers, peer_batches=args.peer_batches,
+              threads=args.threads, engine_options=opts, out_dir=args.out_dir, figures_dir=args.figures_dir,
               compare_prefix_caching=args.compare_prefix_caching, seed=args.seed, quiet=args.quiet,
               step_profile=not args.no_step_profile)
     print(report(r))

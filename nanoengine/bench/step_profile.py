@@ -9,11 +9,10 @@
   - other: the rest of the forward and the sampler (embedding, norms, rotary, SwiGLU, logits to float32,
     sampling, and Python between the ops);
   - host: the engine outside the model runner (scheduling, building inputs, postprocess and detokenizing).
-The timers are forward hooks (two clock reads per module call, ~1-2% of a step here), and, where a decode
-step runs its layers in one C++ call (`models/fused_decode.py`), that call's own clocks around its linears
-and attention; the split comes from the timed run, the tokens/s from the plain one. On CPU every op runs
-synchronously, so the clock reads time the ops themselves; on CUDA they would time launches only, so the
-split is CPU-only.
+The timers are forward hooks (two clock reads per module call), and, where a decode step runs its layers in
+one C++ call (`models/fused_decode.py`), that call's own clocks around its linears and attention; the split
+comes from the timed run, the tokens/s from the plain one. On CPU every op runs synchronously, so the clock
+reads time the ops themselves; on CUDA they would time launches only, so the split is CPU-only.
 """
 
 from __future__ import annotations
@@ -62,7 +61,8 @@ def module_timers(model: nn.Module):
 @contextmanager
 def fused_timers(runner: Any):
     """The fused decode step's own timers (nanoengine.models.fused_decode), where the runner has one: its
-    layers run in one C++ call, so no module hook fires inside them. Yields {"linears", "attention"} seconds."""
+    layers run in one C++ call, so no module hook fires inside them. Yields {"linears", "attention"}
+    seconds."""
     if runner.fused is None:
         yield {}
         return
@@ -80,7 +80,8 @@ def _decode_run(llm: LLM, prompt: list[int], output_len: int) -> tuple[Any, list
 
 
 def single_stream(llm: LLM, prompt_len: int = 256, output_len: int = 64, seed: int = 0) -> dict[str, Any]:
-    """Decode tokens/s of one stream and the per-step split (ms) of its decode steps (see the module docstring)."""
+    """Decode tokens/s of one stream and the per-step split (ms) of its decode steps
+    (see the module docstring)."""
     plan = llm.plan
     prompt_len = max(1, min(prompt_len, plan.max_model_len - output_len - 1))
     rng = random.Random(seed)
@@ -106,6 +107,6 @@ def single_stream(llm: LLM, prompt_len: int = 256, output_len: int = 64, seed: i
             "step_ms": {k: 1e3 * v for k, v in split.items()},
             "step_fraction": {k: v / step if step else 0.0 for k, v in split.items()},
             "profiled_step_ms": 1e3 * step, "profiled_steps": len(steps),
-            "what": "one greedy request: tokens/s from a plain run (1 / TPOT); the split from a second run with "
-                    "timers on the linears and attention modules (other = rest of the forward and sampling; "
-                    "host = schedule + inputs + postprocess)"}
+            "what": "one greedy request: tokens/s from a plain run (1 / TPOT); the split from a second run "
+                    "with timers on the linears and attention modules (other = rest of the forward and "
+                    "sampling; host = schedule + inputs + postprocess)"}

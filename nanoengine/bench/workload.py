@@ -66,7 +66,8 @@ def nano_vllm_draw(num_seqs: int, input_len: tuple[int, int], output_len: tuple[
     """nano-vllm bench.py's draw, in its order: every prompt first (its length, then its ids), then every
     output length. `random.randint` is inclusive at both ends, as in the seed's code (ids in 0..10000)."""
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, TOKEN_ID_MAX) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
+    prompts = [[rng.randint(0, TOKEN_ID_MAX) for _ in range(rng.randint(*input_len))]
+               for _ in range(num_seqs)]
     output_lens = [rng.randint(*output_len) for _ in range(num_seqs)]
     return prompts, output_lens
 
@@ -115,7 +116,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "shared-prefix": dict(kind="shared-prefix", num_requests=64, prefix_len=1024, suffix_len=(32, 128),
                           output_len=(32, 128)),
     "smoke": dict(kind="random", num_requests=4, input_len=(8, 32), output_len=(4, 16)),
-    # one learner chatting: one request of 256 prompt tokens and 256 generated (the decode speed of one stream)
+    # one learner chatting: one request of 256 prompt tokens and 256 generated
+    # (the decode speed of one stream)
     "single-stream": dict(kind="random", num_requests=1, input_len=(256, 256), output_len=(256, 256)),
     # 32 concurrent requests of 256 + 256 tokens each (llama.cpp's parallel decoding comparison)
     "uniform-32": dict(kind="random", num_requests=32, input_len=(256, 256), output_len=(256, 256)),

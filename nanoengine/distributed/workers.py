@@ -90,7 +90,8 @@ def describe_exit(rank: int, proc: Any) -> str:
     if code is None:
         return f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped answering"
     if code < 0:
-        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
+        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) was killed by "
+                f"{signal.Signals(-code).name}")
     return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
 
 
@@ -144,7 +145,8 @@ class Workers:
         try:
             for i in range(len(self.procs)):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
-            self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size, self.store)
+            self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size,
+                                            self.store)
         except BaseException:
             self.close()
             raise
@@ -160,7 +162,8 @@ class Workers:
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
         """Send one call to every worker (tensors travel by value, through host memory)."""
         self.check()
-        data = pickle.dumps((method, to_device(args, "cpu", copy=True), reply), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((method, to_device(args, "cpu", copy=True), reply),
+                            protocol=pickle.HIGHEST_PROTOCOL)
         for i, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
@@ -196,12 +199,13 @@ class Workers:
     def check(self) -> None:
         """Raise if the group broke earlier, or if a worker has failed since the last call."""
         if self.error is not None:
-            raise WorkerError(f"the tensor-parallel workers were stopped after a failure ({self.error.splitlines()[0]}); "
-                              "build a new LLM")
+            raise WorkerError("the tensor-parallel workers were stopped after a failure "
+                              f"({self.error.splitlines()[0]}); build a new LLM")
         for i, (conn, proc) in enumerate(zip(self.conns, self.procs)):
             if conn.poll() or not proc.is_alive():  # nothing is owed to us between calls: an error, or an end
                 self.receive(i, timeout=1)
-                raise self.broken(WorkerError(f"tensor-parallel worker rank {i + 1} sent an unexpected message"))
+                raise self.broken(WorkerError(f"tensor-parallel worker rank {i + 1} "
+                                              "sent an unexpected message"))
 
     def broken(self, err: Exception) -> Exception:
         """Record why the group broke, stop every worker, and return err to raise."""
@@ -212,9 +216,9 @@ class Workers:
 
     @contextmanager
     def lockstep(self) -> Iterator[None]:
-        """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the group:
-        a collective fails when a peer died or raised (then the peer's own error is what we raise), and if
-        rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
+        """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the
+        group: a collective fails when a peer died or raised (then the peer's own error is what we raise), and
+        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
         with sigint_held():
             try:
                 yield

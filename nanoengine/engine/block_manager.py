@@ -105,7 +105,8 @@ class BlockManager:
             return 0
         if seq.block_table:
             raise RuntimeError(f"match_prefix: seq {seq.seq_id} already has blocks {seq.block_table}; "
-                               "prefix matching is only for a sequence with an empty block table (free it first)")
+                               "prefix matching is only for a sequence with an empty block table "
+                               "(free it first)")
         for block_id in self.cached_prefix(seq):
             block = self.blocks[block_id]
             if block.ref_count == 0:  # a cached free block: revive it
@@ -134,12 +135,14 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens; return new block ids."""
+        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens;
+        return new block ids."""
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_block_ids):
             raise RuntimeError(
-                f"allocate: seq {seq.seq_id} needs {needed} more KV blocks but only {len(self.free_block_ids)} "
-                f"are free (of {self.num_blocks}); call can_allocate first and preempt or wait")
+                f"allocate: seq {seq.seq_id} needs {needed} more KV blocks but only "
+                f"{len(self.free_block_ids)} are free (of {self.num_blocks}); "
+                "call can_allocate first and preempt or wait")
         new_ids = []
         for _ in range(needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
@@ -187,7 +190,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> list[int]:
-        """Drop seq's references (tail first, so tail blocks are evicted first); return blocks that became free.
+        """Drop seq's references (tail first, so tail blocks are evicted first);
+        return blocks that became free.
 
         Freed blocks keep their hash: they stay prefix-cache hits until they are reallocated.
         """
@@ -226,11 +230,13 @@ class BlockManager:
                                 f"{refs[block.block_id]} block table(s) hold it")
             if (block.ref_count == 0) != (block.block_id in self.free_block_ids):
                 problems.append(f"block {block.block_id}: ref_count={block.ref_count} but "
-                                f"{'in' if block.block_id in self.free_block_ids else 'not in'} the free list")
+                                f"{'in' if block.block_id in self.free_block_ids else 'not in'} "
+                                "the free list")
             if block.hash is not None and len(block.token_ids) != self.block_size:
                 problems.append(f"block {block.block_id}: hashed but holds {len(block.token_ids)} tokens")
         for h, block_id in self.hash_to_block_id.items():
             if self.blocks[block_id].hash != h:
-                problems.append(f"hash {h} maps to block {block_id} whose hash is {self.blocks[block_id].hash}")
+                problems.append(f"hash {h} maps to block {block_id} "
+                                f"whose hash is {self.blocks[block_id].hash}")
         if problems:
             raise AssertionError("BlockManager invariants broken:\n  " + "\n  ".join(problems))

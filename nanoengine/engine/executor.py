@@ -54,7 +54,8 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
-        """Run a ModelRunner method (or fn(runner, *args)) on every rank; every rank's result, rank 0 first."""
+        """Run a ModelRunner method (or fn(runner, *args)) on every rank;
+        every rank's result, rank 0 first."""
 
     @abstractmethod
     def close(self) -> None:

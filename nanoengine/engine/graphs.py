@@ -37,8 +37,9 @@ MAX_GRAPH_BATCH = 512  # no graph for larger decode batches: they run eagerly
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: 1, 2, 4, 8, 16, 32, ... (steps of 16) up to max_num_seqs (capped at
-    MAX_GRAPH_BATCH), which is always the last bucket, so every decode batch the scheduler can form has one."""
+    """The batch sizes that get a graph: 1, 2, 4, 8, 16, 32, ... (steps of 16) up to max_num_seqs
+    (capped at MAX_GRAPH_BATCH), which is always the last bucket, so every decode batch the scheduler can
+    form has one."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = {b for b in (1, 2, 4, 8) if b < top} | set(range(16, top, 16)) | {top}
     return sorted(sizes)
@@ -105,10 +106,14 @@ class DecodeGraphs:
         with torch.inference_mode():
             self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]
             self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bucket]; -1 = no store
-            self.context_lens = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]; 0 = read nothing
-            self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=dev)  # [max_bucket, max_blocks]
-            self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)  # [max_bucket, hidden] the output
+            # [max_bucket]; -1 = no store
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+            # [max_bucket]; 0 = read nothing
+            self.context_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+            # [max_bucket, max_blocks]
+            self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=dev)
+            # [max_bucket, hidden] the output
+            self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.used_width = 0  # block-table columns that may hold a block id (all columns past it are 0)
         self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else None
         self.graphs: dict[int, CUDAGraph | StandInGraph] = {}
@@ -167,7 +172,8 @@ class DecodeGraphs:
         self.slot_mapping[n:bucket].fill_(-1)
         self.context_lens[n:bucket].zero_()
         self.block_tables[n:bucket, :width].zero_()
-        if self.used_width > width:  # stale columns of a wider table, in every row (a later bucket reads them)
+        # stale columns of a wider table, in every row (a later bucket reads them)
+        if self.used_width > width:
             self.block_tables[:, width:self.used_width].zero_()
         self.used_width = width
         return bucket

@@ -63,7 +63,8 @@ class ModelInput:
         if self.input_ids.device == device:
             return self
         return ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
-                          self.positions.to(device, non_blocking=non_blocking), self.attn.to(device, non_blocking),
+                          self.positions.to(device, non_blocking=non_blocking),
+                          self.attn.to(device, non_blocking),
                           self.sample_rows.to(device, non_blocking=non_blocking))
 
 
@@ -72,7 +73,8 @@ class BuiltStep(NamedTuple):
     sample_seqs: list[Sequence]  # the sequence of each sampled row
 
 
-MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]  # (scheduled, block_size) -> the batch's metadata
+# (scheduled, block_size) -> the batch's metadata
+MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]
 
 
 class HostBuffers:
@@ -102,7 +104,8 @@ class HostBuffers:
         def size(have: int, need: int) -> int:
             return have if need <= have else max(need, 2 * have)
 
-        return HostBuffers(size(self.tokens, tokens), size(self.seqs, seqs), size(self.blocks, blocks), self.pin)
+        return HostBuffers(size(self.tokens, tokens), size(self.seqs, seqs), size(self.blocks, blocks),
+                           self.pin)
 
 
 class InputBuilder:
@@ -197,7 +200,8 @@ class InputBuilder:
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
             decode_context_lens=dctx, prefill_query_starts=starts, prefill_query_lens=qlens,
             prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
-        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)), sample_seqs)
+        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)),
+                         sample_seqs)
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
         """The host buffers, free to overwrite (the last step's copies out of them are done) and large enough

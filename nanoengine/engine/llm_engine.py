@@ -51,7 +51,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
-                                               max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len)
+                                               max_num_seqs=plan.max_num_seqs,
+                                               max_model_len=plan.max_model_len)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -68,7 +69,8 @@ class LLMEngine:
     # -------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
-        """Tokenize and check a request without queueing it (so a batch can be checked before any is added)."""
+        """Tokenize and check a request without queueing it (so a batch can be checked before any is
+        added)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -93,13 +95,15 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.add_prompts(request.seqs)
 
-    def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
         req = self.make_request(prompt, params, request_id)
         self.add(req)
         return req.request_id
 
     def abort(self, request_id: str) -> None:
-        """Forget a request: its unfinished sequences are aborted (blocks freed); finished ones just let go."""
+        """Forget a request: its unfinished sequences are aborted (blocks freed);
+        finished ones just let go."""
         req = self.requests.pop(request_id, None)
         for s in req.seqs if req is not None else ():
             self.scheduler.abort(s)
@@ -137,7 +141,8 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             completion = req.completions[seq.index]
             delta = completion.push(token)
-            if completion.stop_string is not None and self.scheduler.finish(seq, "stop", completion.stop_string):
+            if (completion.stop_string is not None
+                    and self.scheduler.finish(seq, "stop", completion.stop_string)):
                 finished.append(seq)
             if delta:
                 deltas.append((req, seq.index, delta))
@@ -157,7 +162,8 @@ class LLMEngine:
 
     def note_times(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]], finished: list[Sequence],
                    scheduled_at: float, sampled_at: float, now: float) -> None:
-        """Request metrics (first scheduled, first token, finished); finished sequences let go of their state."""
+        """Request metrics (first scheduled, first token, finished);
+        finished sequences let go of their state."""
         for s in out.scheduled:
             metrics = self.requests[s.seq.request_id].metrics
             if metrics.first_scheduled_time is None:
@@ -180,13 +186,16 @@ class LLMEngine:
         seq = Sequence(check_token_ids(list(token_ids), self.plan.hf_config.vocab_size), SamplingParams(),
                        self.plan.block_size)
         if not self.block_manager.can_allocate(seq, seq.num_tokens):
-            raise InvalidValueError(f"a prompt of {seq.num_tokens} tokens needs {self.block_manager.blocks_for(seq.num_tokens)} "
-                             f"KV blocks, {self.block_manager.num_free_blocks} are free; finish or abort the running "
-                             "requests, or give the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
+            raise InvalidValueError(f"a prompt of {seq.num_tokens} tokens needs "
+                                    f"{self.block_manager.blocks_for(seq.num_tokens)} KV blocks, "
+                                    f"{self.block_manager.num_free_blocks} are free; finish or abort the "
+                                    "running requests, or give the cache more room (num_kvcache_blocks / "
+                                    "kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)
         try:
             inp, _ = self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)])
-            every_row = dataclasses.replace(inp, sample_rows=torch.arange(inp.num_tokens, device=inp.input_ids.device))
+            every_row = dataclasses.replace(inp, sample_rows=torch.arange(inp.num_tokens,
+                                                                          device=inp.input_ids.device))
             return self.executor.execute(every_row)  # [T, vocab]
         finally:
             self.block_manager.free(seq)

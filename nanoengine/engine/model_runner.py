@@ -55,7 +55,8 @@ class ModelRunner:
         self.parts = parts
         hf = plan.hf_config
         self.tp = parts.tp_group(tp)
-        self.device = torch.device(plan.device, tp.rank) if plan.device == "cuda" else torch.device(plan.device)
+        self.device = (torch.device(plan.device, tp.rank) if plan.device == "cuda"
+                       else torch.device(plan.device))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = plan.torch_dtype
@@ -94,9 +95,11 @@ class ModelRunner:
             case FixedKVBlocks(num_blocks):
                 pass
             case GPUMemoryShare(utilization, most):
-                num_blocks = kv_blocks_within(self.cuda_kv_budget(utilization), self.plan.kv_bytes_per_block, most)
+                num_blocks = kv_blocks_within(self.cuda_kv_budget(utilization), self.plan.kv_bytes_per_block,
+                                              most)
                 # every rank must hold the same blocks: the smallest pool wins
-                num_blocks = int(self.tp.all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
+                num_blocks = int(self.tp.all_reduce_min(
+                    torch.tensor([num_blocks], device=self.device)).item())
         self.bind_kv_cache(num_blocks)
         return num_blocks
 
@@ -132,11 +135,12 @@ class ModelRunner:
         lens = [most] * (total // most) + ([total % most] if total % most else [])
         starts = [sum(lens[:i]) for i in range(len(lens))]
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
-                                 num_decode_seqs=0, decode_block_tables=None, decode_context_lens=None,
-                                 prefill_query_starts=starts, prefill_query_lens=lens, prefill_context_lens=lens,
-                                 prefill_block_tables=[torch.zeros(0, dtype=torch.int64, device=dev)] * len(lens),
-                                 block_size=self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev), num_decode_seqs=0,
+            decode_block_tables=None, decode_context_lens=None, prefill_query_starts=starts,
+            prefill_query_lens=lens, prefill_context_lens=lens,
+            prefill_block_tables=[torch.zeros(0, dtype=torch.int64, device=dev)] * len(lens),
+            block_size=self.block_size)
         ids = torch.zeros(total, dtype=torch.int64, device=dev)  # [total]
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])  # [total]
         rows = torch.arange(plan.max_num_seqs, device=dev) % total  # [max_num_seqs]

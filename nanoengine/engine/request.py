@@ -27,13 +27,16 @@ def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | No
     if isinstance(prompt, dict):
         unknown = [k for k in prompt if k not in PROMPT_KEYS]
         if unknown:
-            raise InvalidValueError(f"a prompt dict takes the keys {PROMPT_KEYS}; got unknown key(s) {unknown}")
+            raise InvalidValueError(f"a prompt dict takes the keys {PROMPT_KEYS}; "
+                                    f"got unknown key(s) {unknown}")
         if "prompt" in prompt and not isinstance(prompt["prompt"], str):
-            raise InvalidTypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+            raise InvalidTypeError("a prompt dict's 'prompt' must be a string, "
+                                   f"got {type(prompt['prompt']).__name__}")
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), check_token_ids(prompt["prompt_token_ids"], vocab_size)
         if "prompt" not in prompt:
-            raise InvalidValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}")
+            raise InvalidValueError("a prompt dict needs 'prompt' or 'prompt_token_ids', "
+                                    f"got keys {list(prompt)}")
         prompt = prompt["prompt"]
     if isinstance(prompt, str):
         if not prompt:
@@ -41,7 +44,8 @@ def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | No
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)):
         return None, check_token_ids(prompt, vocab_size)
-    raise InvalidTypeError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
+    raise InvalidTypeError("a prompt is a string, a list of token ids or a dict; "
+                           f"got {type(prompt).__name__}")
 
 
 def check_token_ids(ids: Any, vocab_size: int, what: str = "prompt token ids") -> list[int]:

@@ -1,4 +1,5 @@
-"""RequestSampler: each sampled row's next token, under its own request's parameters, on the driver. Chapter 05.
+"""RequestSampler: each sampled row's next token, under its own request's parameters, on the driver.
+Chapter 05.
 
 The executor returns the logits of the rows that reach a sequence's last token; `sample(logits, seqs)` turns
 them into tokens: it lays the requests' parameters out as a `SamplingBatch` (per-row temperatures and

@@ -30,7 +30,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     cache_hits: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, hit tokens) per admitted seq
     blocks_allocated: list[int] = field(default_factory=list)
-    blocks_freed: list[int] = field(default_factory=list)  # by preemption here; postprocess adds finished seqs'
+    # by preemption here; postprocess adds finished seqs'
+    blocks_freed: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
 
 
@@ -71,15 +72,16 @@ class Scheduler:
             total = prompt_len + max_tokens
             if total > self.max_model_len:
                 raise InvalidValueError(
-                    f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = {total} exceeds max_model_len="
-                    f"{self.max_model_len}; shorten the prompt, lower max_tokens or raise max_model_len")
+                    f"prompt of {prompt_len} tokens + max_tokens={max_tokens} = {total} exceeds "
+                    f"max_model_len={self.max_model_len}; "
+                    "shorten the prompt, lower max_tokens or raise max_model_len")
         blocks = self.block_manager.blocks_for(total)
         num_blocks = self.block_manager.num_blocks
         if blocks > num_blocks:
             raise InvalidValueError(
-                f"request of {total} tokens needs {blocks} KV blocks of {self.block_size} tokens and can never fit "
-                f"the KV pool of {num_blocks} blocks; shorten the prompt or max_tokens, or give the cache more "
-                f"room (num_kvcache_blocks / kv_cache_memory_gb)")
+                f"request of {total} tokens needs {blocks} KV blocks of {self.block_size} tokens and can "
+                f"never fit the KV pool of {num_blocks} blocks; shorten the prompt or max_tokens, or give "
+                "the cache more room (num_kvcache_blocks / kv_cache_memory_gb)")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -144,13 +146,15 @@ class Scheduler:
         return out
 
     def admit(self, seq: Sequence, budget: int) -> int | None:
-        """Admit one waiting sequence (empty block table) into this step, or return None leaving nothing behind:
-        reuse its cached leading blocks, compute from there but always its last token (its logits give the
-        first output token), as many tokens as the budget allows, and put the blocks it fills into the cache
-        now, so that an identical prompt admitted later in this step shares them. Returns its new tokens."""
+        """Admit one waiting sequence (empty block table) into this step, or return None leaving nothing
+        behind: reuse its cached leading blocks, compute from there but always its last token (its logits give
+        the first output token), as many tokens as the budget allows, and put the blocks it fills into the
+        cache now, so that an identical prompt admitted later in this step shares them. Returns its new
+        tokens."""
         bm = self.block_manager
         seq.num_cached_tokens = bm.match_prefix(seq)
-        seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)  # always compute the last token
+        # always compute the last token
+        seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not bm.can_allocate(seq, n):
             bm.free(seq)  # undo the prefix hit; the blocks stay cached
@@ -198,7 +202,8 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        """(finish reason, the stop token id that caused it) after `token` was appended; (None, None) = go on."""
+        """(finish reason, the stop token id that caused it) after `token` was appended;
+        (None, None) = go on."""
         sp = seq.sampling_params
         past_min = seq.num_completion_tokens > sp.min_tokens
         if past_min and token in sp.stop_token_ids:
@@ -222,7 +227,8 @@ class Scheduler:
         return True
 
     def abort(self, seq: Sequence) -> bool:
-        """Remove an unfinished sequence wherever it is and free its blocks; False if it was already finished."""
+        """Remove an unfinished sequence wherever it is and free its blocks;
+        False if it was already finished."""
         if seq.is_finished:
             return False
         self._finish(seq, "abort")

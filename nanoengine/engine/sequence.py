@@ -73,7 +73,8 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """True while the prompt (or, after preemption, the prompt + generated tokens) is not all in cache."""
-        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
+        return (self.num_tokens - self.num_computed_tokens > 1
+                or self.num_computed_tokens < self.num_prompt_tokens)
 
     def block_tokens(self, i: int) -> list[int]:
         """Token ids held by logical block i."""

@@ -26,7 +26,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return rms_norm(x, weight, eps), residual
 
 
-def rotary_by_position(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_by_position(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [num_tokens, heads, head_dim] at `positions`, reading the [max_position, head_dim] tables."""
     return apply_rotary(x, cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype))
 

@@ -7,7 +7,7 @@ with bf16 weights (`bf16_linear.cpp`, for decode steps: `layers.linear.use_bf16_
 step's decoder layers in one call (`decode_step.cpp`); `module.cpp` binds them, `kernels.h` declares them
 and `simd.h` holds the helpers they share. The hot loops use AVX2/FMA intrinsics where the compiler
 targets them (-march=native picks them on the machine that builds), and plain loops elsewhere. The files
-are compiled with the C++ compiler torch uses (`torch.utils.cpp_extension`, about 30 s) and linked into
+are compiled with the C++ compiler torch uses (`torch.utils.cpp_extension`) and linked into
 one library in `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`, once: by `make assets`
 (`python -m nanoengine.kernels`), or at first use with a message saying so. A built library is imported
 directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and two checkouts

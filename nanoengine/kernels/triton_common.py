@@ -56,8 +56,10 @@ def attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, he
         # 1. the tile's K and V rows, through the block table
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         valid = pos < hi
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)  # [BLOCK_N] physical block of each
-        rows = head_offset + block * stride_block + (pos % BLOCK_SIZE) * stride_slot  # [BLOCK_N] int64 offsets
+        # [BLOCK_N] physical block of each
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        # [BLOCK_N] int64 offsets
+        rows = head_offset + block * stride_block + (pos % BLOCK_SIZE) * stride_slot
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)

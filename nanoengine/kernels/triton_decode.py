@@ -9,7 +9,8 @@ Split-K (vLLM's "v2" paged attention): at small batch, one program per (sequence
 GPU idle (batch 1 with 8 kv heads is 8 programs on 132 SMs) while each walks thousands of tokens. So the
 context is cut into `num_splits` contiguous ranges, one program each, and every program writes a partial
 result: its normalized output and the log of its softmax denominator (log-sum-exp, `lse`). A second small
-kernel (launched only when there are splits; with one, the decode kernel writes the output itself) merges the splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
+kernel (launched only when there are splits; with one, the decode kernel writes the output itself) merges the
+splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
 out = sum_s w_s * out_s / sum_s w_s, which is exactly the softmax over the whole context. A split whose
 range is empty (a short context among long ones) has lse = -inf and weight 0. A context of 0 (the padding
 rows of a CUDA-graph batch) reads nothing and gives 0.
@@ -77,8 +78,9 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     acc = tl.full([BLOCK_G, BLOCK_D], 0, tl.float32)
     q_pos = context - 1 + tl.full([BLOCK_G], 0, tl.int64)  # the new token's position: it sees every key
     table = block_tables_ptr + seq * stride_table
-    m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_head,
-                                lo, hi, d, d_mask, stride_block, stride_slot, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_FP32)
+    m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table,
+                                kv_head * stride_head, lo, hi, d, d_mask, stride_block, stride_slot, qk_scale,
+                                BLOCK_SIZE, BLOCK_N, DOT_FP32)
 
     # l_i == 0: nothing was read (an empty split, or a CUDA-graph padding row of context 0): output 0, not 0/0
     empty = l_i == 0.0
@@ -111,7 +113,8 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     parts = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                     mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [BLOCK_D]; 0 for a context of 0
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -139,13 +142,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=pow2(group, 16), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, DOT_FP32=dot_in_fp32(q.dtype), SPLIT=num_splits > 1)
+        part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=BLOCK_N, DOT_FP32=dot_in_fp32(q.dtype),
+        SPLIT=num_splits > 1)
     if num_splits == 1:
         return out
     merge_splits_kernel[(batch, num_heads)](
         part_out, part_lse, out, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=pow2(num_splits))
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_S=pow2(num_splits))
     return out

@@ -62,8 +62,9 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_
     acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0, tl.float32)
     end = tl.minimum(context, cached + (q_tile + 1) * BLOCK_Q)  # keys past the tile's last query: never seen
     table = block_tables_ptr + seq * stride_table
-    m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_head,
-                                0, end, d, d_mask, stride_block, stride_slot, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_FP32)
+    m_i, l_i, acc = attend_keys(q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table,
+                                kv_head * stride_head, 0, end, d, d_mask, stride_block, stride_slot, qk_scale,
+                                BLOCK_SIZE, BLOCK_N, DOT_FP32)
 
     out = acc / l_i[:, None]  # every row saw key 0, so l_i > 0
     tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],

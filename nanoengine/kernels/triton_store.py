@@ -3,9 +3,9 @@
 One program per BLOCK_T tokens. Slot = physical block * block_size + offset in the block; slot -1 means
 "skip": a padding row, or a token whose K/V already sits in a shared prefix-cache block (a masked-out row of
 the tile). The program loads its tokens' [num_kv_heads, head_dim] rows of K and of V once and stores them
-into every head's place in the cache. The cache is addressed through its strides, so any layout works: the launcher takes it as a
-[num_kv_heads, num_blocks, block_size, head_dim] view (the torch/triton layout as it is, flash-attn's
-[num_blocks, block_size, num_kv_heads, head_dim] permuted, with no copy).
+into every head's place in the cache. The cache is addressed through its strides, so any layout works: the
+launcher takes it as a [num_kv_heads, num_blocks, block_size, head_dim] view (the torch/triton layout as it
+is, flash-attn's [num_blocks, block_size, num_kv_heads, head_dim] permuted, with no copy).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ BLOCK_T = 16  # tokens per program
 
 @triton.jit
 def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-                    stride_kt, stride_kh, stride_vt, stride_vh,  # new K, V: [num_tokens, num_kv_heads, head_dim]
+                    # new K, V: [num_tokens, num_kv_heads, head_dim]
+                    stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_head, stride_block, stride_slot,  # the caches' (same for K and V)
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):

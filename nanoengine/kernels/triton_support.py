@@ -29,15 +29,16 @@ def installed() -> bool:
 
 
 def problem(device: str) -> str | None:
-    """None when the Triton kernels can run on `device` ('cuda' or 'cpu'), else what is missing and the fix."""
+    """None when the Triton kernels can run on `device` ('cuda' or 'cpu'),
+    else what is missing and the fix."""
     if not installed():
         return ("the triton package is not installed: pip install -c constraints.txt triton "
                 "(it comes with CUDA builds of torch; the dev extra installs it)")
     if device == "cpu" and not interpreter_requested():
-        return (f"on device='cpu' the Triton kernels run only in Triton's interpreter (slow: for tests and "
+        return ("on device='cpu' the Triton kernels run only in Triton's interpreter (slow: for tests and "
                 f"learning), which needs {INTERPRET_VAR}=1 set in the environment before nanoengine starts, "
-                f"e.g. `{INTERPRET_VAR}=1 python ...` or os.environ['{INTERPRET_VAR}'] = '1' before importing "
-                "nanoengine; for speed on CPU use attention_backend='auto' or 'cpu'")
+                f"e.g. `{INTERPRET_VAR}=1 python ...` or os.environ['{INTERPRET_VAR}'] = '1' before "
+                "importing nanoengine; for speed on CPU use attention_backend='auto' or 'cpu'")
     return None
 
 

@@ -47,5 +47,6 @@ class LMHead(PackableLinear):
         self.tp = tp
         self.weight.weight_loader = vocab_rows_loader(tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [num_seqs, dim] -> [num_seqs, vocab] fp32
+    # [num_seqs, dim] -> [num_seqs, vocab] fp32
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.tp.gather(super().forward(hidden).float())  # [num_seqs, vocab / N] per rank, gathered

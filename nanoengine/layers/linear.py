@@ -5,15 +5,16 @@ loaded into its rows by `weight_loader(param, loaded, shard_id)`.
 
 Tensor parallelism (chapter 07) splits the two kinds of projection differently, so that a decoder layer needs
 one all-reduce per half:
-- column-parallel (`MergedLinear` with a `TPGroup` of size N): each rank holds 1/N of every part's output rows.
-  q/k/v rows are head-major, so a rank's rows are whole heads (GQA: its query heads and the KV heads they read);
+- column-parallel (`MergedLinear` with a `TPGroup` of size N): each rank holds 1/N of every part's output
+  rows. q/k/v rows are head-major, so a rank's rows are whole heads (GQA: its query heads and the KV heads
+  they read);
 - row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds 1/N of the input columns, multiplies
   the activations it already has, and the partial products are summed by an all-reduce (bias added once).
 A loader receives the checkpoint tensor or a lazy safetensors slice, and reads only its rank's share.
 
 On a CPU with bf16 support, `prepack_weights(model)` (chapter 06) reorders every weight once into oneDNN's
 blocked layout. A plain `F.linear` reorders the weight on every call; decode steps multiply a few rows by
-the whole weight, so that per-call reorder is much of their time (1.3-1.8x faster linears at batch 1-32 here).
+the whole weight, so that per-call reorder is much of their time, and packing once takes it away.
 The packed copy is an opaque oneDNN tensor beside the ordinary weight (which loading and tests still use).
 
 Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoints in float32),
@@ -23,7 +24,7 @@ which multiplies batches of up to `max_rows` rows with it: a decode step streams
 the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the float32 weight is a widened
 bf16), and the sums are float32, so the output is the float32 linear's up to the order of the sums. Larger
 batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
-round once, as a bf16 matmul rounds (its own bf16 path ran at ~1 GFLOP/s here).
+round once, as a bf16 matmul rounds (torch's own bf16 matmul has no fast path on such a CPU).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def checkpoint_shape(loaded) -> tuple[int, ...]:
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
     """A replicated parameter: the whole checkpoint tensor."""
     if tuple(param.shape) != checkpoint_shape(loaded):
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {checkpoint_shape(loaded)}")
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} "
+                         f"vs checkpoint {checkpoint_shape(loaded)}")
     param.data.copy_(loaded[...])
 
 
@@ -80,9 +82,12 @@ class PackableLinear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.bf16_weight is not None and x.dim() == 2:
             if x.shape[0] <= self.bf16_max_rows:
-                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
-            if x.dtype == torch.bfloat16:  # no fast bf16 matmul on this CPU: float32, rounded once as bf16's is
-                return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(x.dtype)
+                # [rows, out]
+                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)
+            # no fast bf16 matmul on this CPU: float32, rounded once as bf16's is
+            if x.dtype == torch.bfloat16:
+                return F.linear(x.float(), self.weight.float(),
+                                None if bias is None else bias.float()).to(x.dtype)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -104,8 +109,9 @@ def use_bf16_weights(model: nn.Module, kernels: Any, max_rows: int) -> int:
     for m in layers:
         w = m.weight.detach()
         if w.dtype == torch.float32 and not torch.equal(w.to(torch.bfloat16).float(), w):
-            raise InvalidValueError(f"use_bf16_weights: a float32 weight {tuple(w.shape)} is not exactly bf16 (not a "
-                                    "bf16 checkpoint); rounding it would change the model's results")
+            raise InvalidValueError(f"use_bf16_weights: a float32 weight {tuple(w.shape)} is not exactly "
+                                    "bf16 (not a bf16 checkpoint); "
+                                    "rounding it would change the model's results")
     for m in layers:
         m.use_bf16(kernels, max_rows)
     return len(layers)
@@ -113,7 +119,8 @@ def use_bf16_weights(model: nn.Module, kernels: Any, max_rows: int) -> int:
 
 class MergedLinear(PackableLinear):
     """Several output projections stacked along the output dimension, parts named by shard id; column-parallel
-    under tensor parallelism: this rank holds its 1/N of each part's rows (`part_sizes` are the full sizes)."""
+    under tensor parallelism: this rank holds its 1/N of each part's rows (`part_sizes` are the full
+    sizes)."""
 
     def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False,
                  tp: TPGroup = SINGLE) -> None:
@@ -139,8 +146,8 @@ class MergedLinear(PackableLinear):
 
 
 class RowParallelLinear(PackableLinear):
-    """A projection whose input columns are split across ranks: y = all_reduce(x_here @ W_here^T) + b. With one
-    rank it is a plain linear layer."""
+    """A projection whose input columns are split across ranks: y = all_reduce(x_here @ W_here^T) + b. With
+    one rank it is a plain linear layer."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias)
@@ -152,8 +159,8 @@ class RowParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         full = checkpoint_shape(loaded)
         if full != (param.shape[0], param.shape[1] * self.tp.size):
-            raise ValueError(f"shape mismatch: parameter {(param.shape[0], param.shape[1] * self.tp.size)} vs "
-                             f"checkpoint {full}")
+            raise ValueError(f"shape mismatch: parameter {(param.shape[0], param.shape[1] * self.tp.size)} "
+                             f"vs checkpoint {full}")
         param.data.copy_(self.tp.columns(loaded, full[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / N] -> [num_tokens, out]

@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual = x + residual; return norm(residual), residual` (one pass in the decoder)."""
-        if self.kernels is not None and (not self.contiguous_only or (x.is_contiguous() and residual.is_contiguous())):
+        if self.kernels is not None and (not self.contiguous_only
+                                         or (x.is_contiguous() and residual.is_contiguous())):
             normed, residual = self.kernels.rms_norm(x, residual, self.weight, self.eps)
             return normed, residual
         residual = x + residual

@@ -27,14 +27,17 @@ class RotaryAngles:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, kernels: ModuleType | None = None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 kernels: ModuleType | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [head_dim/2]
+        # [head_dim/2]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim/2]
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [max_position, head_dim]
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # signed for rotate_half
+        # [max_position, head_dim]; sin signed for rotate_half
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self.kernels = kernels
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
@@ -44,7 +47,8 @@ class RotaryEmbedding(nn.Module):
         return RotaryAngles(positions, self.cos[positions].unsqueeze(1).to(dtype),
                             self.sin[positions].unsqueeze(1).to(dtype))
 
-    def rotate(self, angles: RotaryAngles, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, angles: RotaryAngles, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]
         if self.kernels is not None:  # one pass per tensor, reading cos/sin by position
             return (self.kernels.rotary(q, angles.positions, self.cos, self.sin),
@@ -52,7 +56,8 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, angles.cos, angles.sin), apply_rotary(k, angles.cos, angles.sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q and k at these positions (one call; the model uses `angles` once, then `rotate` per layer)."""
+        """Rotate q and k at these positions
+        (one call; the model uses `angles` once, then `rotate` per layer)."""
         return self.rotate(self.angles(positions, q.dtype), q, k)
 
 

@@ -2,9 +2,9 @@
 
 Sampling inverts the cumulative distribution: draw u ~ U[0, 1) per row and take the first token whose
 cumulative probability exceeds u * (total mass). That is one random number per token, where the exponential
-race (argmax(probs / q), q ~ Exp(1) for every vocabulary entry) needs 150k: at batch 32 on CPU the race's
-noise alone took 27 ms per step, the cumulative sum takes about 1 ms. A request with a seed draws its u from
-its own generator, so its samples do not depend on which other requests share the batch.
+race (argmax(probs / q), q ~ Exp(1) for every vocabulary entry) needs 150k: on CPU drawing the race's noise
+alone costs far more than the cumulative sum. A request with a seed draws its u from its own generator, so
+its samples do not depend on which other requests share the batch.
 
 Built with `compile=True` (chapter 06; the config decides, on CUDA by default), the step from logits to the
 cumulative distribution (temperature, the filters, softmax, cumsum) runs as one torch.compile'd function.
@@ -28,8 +28,8 @@ class SamplingBatch:
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
-    """Mask (to -inf) every token outside each row's allowed set: min-p, then top-k, then top-p on what is left.
-    logits [B, V] fp32, already temperature-scaled."""
+    """Mask (to -inf) every token outside each row's allowed set: min-p, then top-k, then top-p on what is
+    left. logits [B, V] fp32, already temperature-scaled."""
     if min_ps is not None:
         probs = torch.softmax(logits, dim=-1)
         too_small = probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values

@@ -6,7 +6,8 @@ checkpoint tensor this rank holds, its part of a vocab-parallel embedding lookup
 row-parallel linears and the vocab-parallel embedding sum their partial results with `all_reduce`, and the LM
 head `gather`s its vocabulary shards to rank 0, where sampling happens. With `size == 1` the collectives are
 no-ops, so the single-process engine runs the same layers. (The learner's sharding, chapter 07's exercises,
-runs inside the engine as a TPGroup whose `rows`, `columns` and `vocab_partial` are theirs: nanoengine.pieces.)
+runs inside the engine as a TPGroup whose `rows`, `columns` and `vocab_partial` are theirs:
+nanoengine.pieces.)
 Forming the process group itself is `nanoengine.distributed`'s job; a layer only calls the collectives.
 """
 
@@ -41,8 +42,9 @@ class TPGroup:
         return loaded[:, first:first + length]
 
     def vocab_partial(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's part of an embedding lookup: ids [num_tokens] -> [num_tokens, dim], the rows of the ids in
-        its vocabulary shard `weight` [vocab / size, dim] and zeros for the others (an all-reduce sums them)."""
+        """This rank's part of an embedding lookup: ids [num_tokens] -> [num_tokens, dim], the rows of the ids
+        in its vocabulary shard `weight` [vocab / size, dim] and zeros for the others (an all-reduce sums
+        them)."""
         local = ids - self.rank * weight.shape[0]  # [num_tokens]: row in this rank's shard
         here = (local >= 0) & (local < weight.shape[0])
         x = F.embedding(local.masked_fill(~here, 0), weight)  # [num_tokens, dim]

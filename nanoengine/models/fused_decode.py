@@ -50,7 +50,8 @@ class FusedDecode:
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
             self.layers.append(kernels.DecodeLayer(
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                q_norm=norms[0], k_norm=norms[1], qkv=_linear(kernels, attn.qkv_proj), o=_linear(kernels, attn.o_proj),
+                q_norm=norms[0], k_norm=norms[1],
+                qkv=_linear(kernels, attn.qkv_proj), o=_linear(kernels, attn.o_proj),
                 gate_up=_linear(kernels, mlp.gate_up_proj), down=_linear(kernels, mlp.down_proj),
                 k_cache=attn.attn.k_cache, v_cache=attn.attn.v_cache))
         self.times: torch.Tensor | None = None  # [linears, attention] seconds while `timed()` is open
@@ -65,9 +66,9 @@ class FusedDecode:
         rotary = self.model.rotary_emb
         attn = inp.attn
         return self.kernels.decode_layers(
-            x, inp.positions, attn.slot_mapping, attn.decode_block_tables, attn.decode_context_lens, self.layers,
-            self.model.norm.weight, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, self.scale, self.times if self.times is not None else self.untimed)
+            x, inp.positions, attn.slot_mapping, attn.decode_block_tables, attn.decode_context_lens,
+            self.layers, self.model.norm.weight, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.eps, self.scale, self.times if self.times is not None else self.untimed)
 
     @contextmanager
     def timed(self):

@@ -22,7 +22,8 @@ def num_kv_heads(cfg: Any) -> int:
 
 
 def rope_theta(cfg: Any) -> float:
-    """RoPE base: transformers 5 writes rope_parameters['rope_theta'], older configs a top-level rope_theta."""
+    """RoPE base: transformers 5 writes rope_parameters['rope_theta'],
+    older configs a top-level rope_theta."""
     params = getattr(cfg, "rope_parameters", None) or {}
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
@@ -30,7 +31,8 @@ def rope_theta(cfg: Any) -> float:
 
 
 def checkpoint_dtype(cfg: Any):
-    """The torch dtype a checkpoint was saved in (transformers 5 says `dtype`, older configs `torch_dtype`)."""
+    """The torch dtype a checkpoint was saved in
+    (transformers 5 says `dtype`, older configs `torch_dtype`)."""
     import torch
 
     dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
@@ -63,7 +65,8 @@ class ModelShape:
     weight_dtype_bytes: int | None = None  # bytes per weight as the engine reads them, if not dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2, weight_dtype_bytes: int | None = None) -> ModelShape:
+    def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2,
+                       weight_dtype_bytes: int | None = None) -> ModelShape:
         return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                    kv_heads=num_kv_heads(cfg), head_dim=head_dim(cfg), intermediate=cfg.intermediate_size,
                    vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),

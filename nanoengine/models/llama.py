@@ -40,7 +40,8 @@ class Attention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         n = tp.size
         self.qkv_proj = MergedLinear(config.hidden_size,
-                                     {"q": self.q_size * n, "k": self.kv_size * n, "v": self.kv_size * n}, bias, tp)
+                                     {"q": self.q_size * n, "k": self.kv_size * n, "v": self.kv_size * n},
+                                     bias, tp)
         self.o_proj = RowParallelLinear(self.q_size * n, config.hidden_size, bias, tp)
         self.rotary_emb = rotary  # one module shared by all layers
         self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -73,7 +74,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        act = self.kernels.silu_and_mul(gate_up) if self.kernels is not None else silu_and_mul(gate_up)  # [T, I/N]
+        # [T, I/N]
+        act = self.kernels.silu_and_mul(gate_up) if self.kernels is not None else silu_and_mul(gate_up)
         return self.down_proj(act)
 
 
@@ -113,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim(config), config.max_position_embeddings,
                                           hf_config.rope_theta(config), kernels)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb, kernels, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb,
+                                                 kernels, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
@@ -126,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         angles = self.rotary_emb.angles(positions, x.dtype)  # once; every layer rotates with it
         residual = None

@@ -22,7 +22,8 @@ from nanoengine.layers.linear import default_weight_loader
 def checkpoint_files(path: Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {path}; nanoengine loads Hugging Face safetensors folders")
+        raise CheckpointError(f"no *.safetensors files in {path}; "
+                              "nanoengine loads Hugging Face safetensors folders")
     return files
 
 
@@ -37,8 +38,8 @@ def load_model(model: nn.Module, path: Path) -> None:
         except CheckpointError:
             raise
         except Exception as e:  # safetensors' own errors: a corrupt header, a truncated file
-            raise CheckpointError(f"checkpoint file {file} could not be read ({type(e).__name__}: {e}); it may be "
-                                  "corrupt or truncated: download or convert it again") from e
+            raise CheckpointError(f"checkpoint file {file} could not be read ({type(e).__name__}: {e}); it "
+                                  "may be corrupt or truncated: download or convert it again") from e
     report_mismatch(model, path, loaded, unexpected)
 
 
@@ -85,5 +86,6 @@ def report_mismatch(model: nn.Module, path: Path, loaded: set[str], unexpected: 
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:10]}"
-                         f"{' ...' if len(missing) > 10 else ''} ({len(missing)} in all); unexpected "
-                         f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all)")
+                              f"{' ...' if len(missing) > 10 else ''} ({len(missing)} in all); unexpected "
+                              f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
+                              f"({len(unexpected)} in all)")

@@ -20,4 +20,4 @@ def get_model_class(hf_config: Any):
         if arch in MODELS:
             return MODELS[arch]
     raise CheckpointError(f"unsupported architecture {archs or '(none in config.json)'}; "
-                     f"nanoengine runs: {', '.join(MODELS)}")
+                          f"nanoengine runs: {', '.join(MODELS)}")

@@ -67,15 +67,17 @@ def chapters_of(value: Any) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
     if not isinstance(items, (list, tuple)):
-        raise InvalidTypeError(f"use_exercises must be a chapter or a list of chapters like ['ch02', 'ch03'], got "
-                               f"{value!r}")
+        raise InvalidTypeError("use_exercises must be a chapter or a list of chapters like ['ch02', 'ch03'], "
+                               f"got {value!r}")
     out = []
     for item in items:
-        m = re.fullmatch(r"(?:ch)?(\d{1,2})", str(item).strip().lower()) if not isinstance(item, bool) else None
+        m = (re.fullmatch(r"(?:ch)?(\d{1,2})", str(item).strip().lower())
+             if not isinstance(item, bool) else None)
         name = f"ch{int(m.group(1)):02d}" if m else None
         if name not in CHAPTERS:
-            raise InvalidValueError(f"use_exercises: {item!r} is not a chapter with engine pieces; choose from "
-                                    f"{', '.join(CHAPTERS)} ({'; '.join(f'{k}: {v}' for k, v in CHAPTERS.items())})")
+            raise InvalidValueError(f"use_exercises: {item!r} is not a chapter with engine pieces; "
+                                    f"choose from {', '.join(CHAPTERS)} "
+                                    f"({'; '.join(f'{k}: {v}' for k, v in CHAPTERS.items())})")
         if name not in out:
             out.append(name)
     return tuple(sorted(out))
@@ -89,8 +91,8 @@ def folder_of(exercises_dir: Any) -> Path:
         return ROOT / str(exercises_dir)
     path = Path(exercises_dir).expanduser().resolve()
     if not path.is_dir():
-        raise InvalidValueError(f"exercises_dir={str(exercises_dir)!r} is not a folder; point it at the folder with "
-                                f"your chNN_*.py files (default {ROOT / 'exercises'})")
+        raise InvalidValueError(f"exercises_dir={str(exercises_dir)!r} is not a folder; point it at the "
+                                f"folder with your chNN_*.py files (default {ROOT / 'exercises'})")
     return path
 
 
@@ -99,7 +101,8 @@ _default: dict[str, Any] = {"chapters": (), "exercises_dir": None}
 
 
 class use_exercises:
-    """From now on (or inside `with`), every LLM runs on your pieces of these chapters unless it says otherwise.
+    """From now on (or inside `with`), every LLM runs on your pieces of these chapters
+    unless it says otherwise.
 
         nanoengine.pieces.use_exercises(["ch02", "ch03"])   # or use_exercises("ch02", exercises_dir=...)
     """
@@ -122,7 +125,8 @@ class use_exercises:
 
 def selected(chapters: Any = None, exercises_dir: Any = None) -> PieceSelection:
     """The pieces an engine is built with: `chapters` (EngineConfig.use_exercises) and `exercises_dir`, where
-    chapters=None takes what `use_exercises()` set for this process. Called once, where the engine is built."""
+    chapters=None takes what `use_exercises()` set for this process. Called once, where the engine is
+    built."""
     if chapters is None:
         chapters, exercises_dir = _default["chapters"], exercises_dir or _default["exercises_dir"]
     chosen, folder = checked_option(chapters, exercises_dir)

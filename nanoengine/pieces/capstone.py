@@ -35,7 +35,8 @@ PACKAGE = Path(__file__).resolve().parents[1]  # nanoengine/
 
 def reference_file(model: str) -> Path:
     """Where the engine's own run of the workload is kept: one file per model, engine source, torch build and
-    machine (the run is deterministic given those), so each chapter's capstone runs only the learner's side."""
+    machine (the run is deterministic given those), so each chapter's capstone runs only the learner's
+    side."""
     import torch
 
     from nanoengine import assets
@@ -82,12 +83,13 @@ def run_workload(model: str, **options) -> tuple[list[list[int]], list[tuple], o
     with LLM(model, **WORKLOAD, **options) as llm:  # closing stops tensor-parallel workers
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)
-    steps = [(s.num_seqs, s.prefill_tokens, s.decode_tokens, s.used_blocks, s.cache_hit_tokens, s.num_preempted)
-             for s in llm.engine.stats]
+    steps = [(s.num_seqs, s.prefill_tokens, s.decode_tokens, s.used_blocks, s.cache_hit_tokens,
+              s.num_preempted) for s in llm.engine.stats]
     return [list(o.outputs[0].token_ids) for o in outs], steps, llm
 
 
-STEP_FIELDS = ("sequences", "prefill tokens", "decode tokens", "blocks in use", "prefix-hit tokens", "preemptions")
+STEP_FIELDS = ("sequences", "prefill tokens", "decode tokens", "blocks in use", "prefix-hit tokens",
+               "preemptions")
 
 
 def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
@@ -117,7 +119,8 @@ def capstone(chapter: str, exercises_dir: Path, models: tuple[str, ...] | None =
     """Run the chapter's capstone: the fixed workload on your pieces vs on the engine's own, per model."""
     models = models or CHAPTER_MODELS.get(chapter, MODELS)
     if chapter not in CHAPTERS:
-        raise ValueError(f"{chapter} plugs no pieces into the engine; chapters with pieces: {', '.join(CHAPTERS)}")
+        raise ValueError(f"{chapter} plugs no pieces into the engine; chapters with pieces: "
+                         f"{', '.join(CHAPTERS)}")
     result = CapstoneResult(chapter)
     for model in models:
         t0 = time.perf_counter()

@@ -38,10 +38,12 @@ class Kernels:
                      f"{_describe(out)} for x of shape {tuple(x.shape)}; it must return x's shape")
         return out, residual
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
         # x [num_tokens, heads, head_dim]; your apply_rope computes its own angles from the model's theta
         out = self.rope(x, positions, self.rope_theta)
-        check_result(isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype, self.rope,
+        check_result(isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype,
+                     self.rope,
                      f"{_describe(out)} for x {tuple(x.shape)} {x.dtype}; it must return x's shape and dtype")
         return out
 

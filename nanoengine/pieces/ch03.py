@@ -49,14 +49,16 @@ def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchA
 
     class LearnerPagedAttention(base):
         @staticmethod
-        def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int) -> tuple[int, ...]:
             return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
         @classmethod
         def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> AttentionPlan:
             return AttentionPlan()  # your functions take the metadata as it is
 
-        def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> None:
+        def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                  plan: AttentionPlan) -> None:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
 
         def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
@@ -64,13 +66,16 @@ def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchA
             out = decode(q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
                          self.scale)
             check_result(isinstance(out, torch.Tensor) and out.shape == q.shape, decode,
-                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; it must return q's shape")
+                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; "
+                         "it must return q's shape")
             return out.to(q.dtype)
 
-        def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor,
+                             context_len: int) -> torch.Tensor:
             out = prefill(q, self.k_cache, self.v_cache, block_table, context_len, self.scale)
             check_result(isinstance(out, torch.Tensor) and out.shape == q.shape, prefill,
-                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; it must return q's shape")
+                         f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; "
+                         "it must return q's shape")
             return out.to(q.dtype)
 
     return LearnerPagedAttention

@@ -57,7 +57,8 @@ class BlockField:
 
 class AllocatorState:
     """The engine's BlockManager state under the names of exercise 4.3/4.4's PrefixCachingAllocator, so its
-    methods run on the engine's blocks themselves (no copy): the free list and the hash map are the engine's."""
+    methods run on the engine's blocks themselves (no copy): the free list and the hash map are the
+    engine's."""
 
     def __init__(self, bm: BlockManager) -> None:
         self.block_size = bm.block_size
@@ -81,22 +82,24 @@ def block_manager_class(module: ModuleType) -> type[BlockManager]:
             return hashes[start:stop]
 
         def cached_prefix(self, seq: Sequence) -> list[int]:
-            bs = self.block_size
-            full = seq.num_tokens // bs
-            hits = count_cached(list(seq.token_ids), CachedBlocks(self), bs)
-            check_result(isinstance(hits, int) and 0 <= hits <= full * bs and hits % bs == 0, count_cached,
-                         f"{hits!r} cached tokens for a prompt of {seq.num_tokens} tokens; it must be a whole "
-                         f"number of blocks of {bs}, at most {full * bs}")
-            hashes = self.chain_hashes(seq, 0, hits // bs, None)
+            size = self.block_size
+            full = seq.num_tokens // size
+            hits = count_cached(list(seq.token_ids), CachedBlocks(self), size)
+            check_result(isinstance(hits, int) and 0 <= hits <= full * size and hits % size == 0,
+                         count_cached,
+                         f"{hits!r} cached tokens for a prompt of {seq.num_tokens} tokens; "
+                         f"it must be a whole number of blocks of {size}, at most {full * size}")
+            hashes = self.chain_hashes(seq, 0, hits // size, None)
             missing = [i for i, h in enumerate(hashes) if h not in self.hash_to_block_id]
             if missing:
-                raise ExerciseError(f"use_exercises: your Exercise 4.2 counted {hits} cached tokens, but block "
-                                    f"{missing[0]}'s hash (your 4.1) is not in the cache")
+                raise ExerciseError(f"use_exercises: your Exercise 4.2 counted {hits} cached tokens, but "
+                                    f"block {missing[0]}'s hash (your 4.1) is not in the cache")
             return [self.hash_to_block_id[h] for h in hashes]
 
         def release(self, block_table: list[int]) -> list[int]:
             freed = free(AllocatorState(self), list(block_table))
-            check_result(isinstance(freed, list), free, f"{type(freed).__name__}; it must return the freed blocks")
+            check_result(isinstance(freed, list), free,
+                         f"{type(freed).__name__}; it must return the freed blocks")
             return freed
 
     return LearnerBlockManager
@@ -110,8 +113,8 @@ def scheduler_class(module: ModuleType, base: type[Scheduler]) -> type[Scheduler
             admitted = list(admit_prompts(self.block_manager, [seq], budget))
             check_result(len(admitted) <= 1 and all(s is seq and isinstance(n, int) and 0 < n <= budget
                                                     for s, n in admitted), admit_prompts,
-                         f"{admitted!r} for one waiting sequence and a budget of {budget}; it must return [] or "
-                         "[(seq, num_new_tokens)] with 0 < num_new_tokens <= budget")
+                         f"{admitted!r} for one waiting sequence and a budget of {budget}; it must return [] "
+                         "or [(seq, num_new_tokens)] with 0 < num_new_tokens <= budget")
             return admitted[0][1] if admitted else None
 
     return LearnerAdmissionScheduler

@@ -32,9 +32,9 @@ def load(chapter: str, folder: Path) -> ModuleType:
     files = sorted(folder.glob(f"{chapter}_*.py"))
     if len(files) != 1:
         found = "no file" if not files else f"{len(files)} files ({', '.join(f.name for f in files)})"
-        raise InvalidValueError(f"use_exercises: {chapter} needs one {chapter}_*.py in {folder}, found {found}; "
-                                "regenerate exercises with `python scripts/make_exercises.py`, or point "
-                                "exercises_dir at the folder with your chapter files")
+        raise InvalidValueError(f"use_exercises: {chapter} needs one {chapter}_*.py in {folder}, found "
+                                f"{found}; regenerate exercises with `python scripts/make_exercises.py`, or "
+                                "point exercises_dir at the folder with your chapter files")
     name = f"_nanoengine_pieces_{next(_loads)}_{files[0].stem}"
     spec = importlib.util.spec_from_file_location(name, files[0])
     module = importlib.util.module_from_spec(spec)
@@ -75,8 +75,8 @@ def where(module: ModuleType, name: str) -> str:
 def not_done(module: ModuleType, name: str, fn: Callable, chapter: str) -> ExerciseNotDoneError:
     n = exercise_of(fn)
     return ExerciseNotDoneError(
-        f"use_exercises: your Exercise {n} ({where(module, name)}) is still a stub, so the engine cannot run on "
-        f"it. Finish it (check(\"{n}\") shows its tests), or leave {chapter!r} out of use_exercises.")
+        f"use_exercises: your Exercise {n} ({where(module, name)}) is still a stub, so the engine cannot run "
+        f"on it. Finish it (check(\"{n}\") shows its tests), or leave {chapter!r} out of use_exercises.")
 
 
 def check_done(pieces: list[tuple[ModuleType, str, str]]) -> None:
@@ -85,8 +85,8 @@ def check_done(pieces: list[tuple[ModuleType, str, str]]) -> None:
     missing = [(m, n, c) for m, n, c in pieces if _attr(m, n) is None]
     if missing:
         m, n, c = missing[0]
-        raise ExerciseError(f"use_exercises: {m.__file__} has no {n!r}; {c}'s pieces need it (regenerate the file "
-                            "from solutions/ if you renamed it)")
+        raise ExerciseError(f"use_exercises: {m.__file__} has no {n!r}; {c}'s pieces need it (regenerate the "
+                            "file from solutions/ if you renamed it)")
     stubs = [(m, n, c) for m, n, c in pieces if is_stub(_attr(m, n))]
     if len(stubs) == 1:
         raise not_done(*stubs[0][:2], _attr(*stubs[0][:2]), stubs[0][2])
@@ -94,9 +94,10 @@ def check_done(pieces: list[tuple[ModuleType, str, str]]) -> None:
         listed = "; ".join(f"Exercise {exercise_of(_attr(m, n))} ({n} in {Path(m.__file__).name})"
                            for m, n, _ in stubs)
         chapters = sorted({c for _, _, c in stubs})
-        raise ExerciseNotDoneError(f"use_exercises: {len(stubs)} of your exercises are still stubs, so the engine "
-                                   f"cannot run on them: {listed}. Finish them (check(\"{chapters[0]}\") shows "
-                                   f"their tests), or leave {', '.join(map(repr, chapters))} out of use_exercises.")
+        raise ExerciseNotDoneError(f"use_exercises: {len(stubs)} of your exercises are still stubs, so the "
+                                   f"engine cannot run on them: {listed}. Finish them "
+                                   f"(check(\"{chapters[0]}\") shows their tests), or leave "
+                                   f"{', '.join(map(repr, chapters))} out of use_exercises.")
 
 
 def _attr(module: ModuleType, name: str) -> Any:
@@ -123,8 +124,8 @@ def piece(module: ModuleType, name: str, chapter: str) -> Callable:
         except NotImplementedError as e:
             raise not_done(module, name, fn, chapter) from e
         except Exception as e:
-            raise ExerciseError(f"use_exercises: your Exercise {exercise_of(fn)} ({where(module, name)}) raised "
-                                f"{type(e).__name__} inside the engine: {e}") from e
+            raise ExerciseError(f"use_exercises: your Exercise {exercise_of(fn)} ({where(module, name)}) "
+                                f"raised {type(e).__name__} inside the engine: {e}") from e
 
     return call
 

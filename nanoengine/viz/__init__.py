@@ -36,9 +36,10 @@ from nanoengine.viz.widgets import (
 
 __all__ = [
     "BatchCompositionState", "BlockCell", "BlockTableState", "KVUsageState", "PrefixTreeState",
-    "batch_composition_state", "block_table_state", "block_table_states", "kv_usage_state", "prefix_tree_state",
+    "batch_composition_state", "block_table_state", "block_table_states", "kv_usage_state",
+    "prefix_tree_state",
     "request_timeline_state", "run_summary", "seq_colors",
     "plot_batch_composition", "plot_block_table", "plot_kv_usage", "plot_prefix_tree",
-    "BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "ScheduleExplorer", "StepTimeline",
-    "show_timeline",
+    "BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "ScheduleExplorer",
+    "StepTimeline", "show_timeline",
 ]

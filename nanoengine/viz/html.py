@@ -66,7 +66,8 @@ def block_grid_svg(st: BlockTableState, tokenizer: Any = None, selected: int | N
     width, height = ncols * (size + gap) + gap, nrows * (size + gap) + gap
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' style='{FONT}'>",
            "<defs><pattern id='ne-cached-dots' width='5' height='5' patternUnits='userSpaceOnUse'>"
-           f"<rect width='5' height='5' fill='{CACHED_COLOR}'/><circle cx='2.5' cy='2.5' r='0.9' fill='#c9ad4f'/>"
+           f"<rect width='5' height='5' fill='{CACHED_COLOR}'/>"
+           "<circle cx='2.5' cy='2.5' r='0.9' fill='#c9ad4f'/>"
            "</pattern></defs>"]
     for c in st.cells:
         x, y = gap + (c.block_id % ncols) * (size + gap), gap + (c.block_id // ncols) * (size + gap)
@@ -78,12 +79,15 @@ def block_grid_svg(st: BlockTableState, tokenizer: Any = None, selected: int | N
         else:
             w = size / len(c.colors)
             for k, col in enumerate(c.colors):
-                out.append(f"<rect x='{x + k * w:.1f}' y='{y}' width='{w:.1f}' height='{size}' fill='{col}'/>")
+                out.append(f"<rect x='{x + k * w:.1f}' y='{y}' width='{w:.1f}' height='{size}' "
+                           f"fill='{col}'/>")
             pale = size * (1 - c.fill / st.block_size)
             if pale > 0:
-                out.append(f"<rect x='{x}' y='{y}' width='{size}' height='{pale:.1f}' fill='white' opacity='.65'/>")
+                out.append(f"<rect x='{x}' y='{y}' width='{size}' height='{pale:.1f}' fill='white' "
+                           "opacity='.65'/>")
         stroke = ("stroke='#000' stroke-width='2.5'" if c.status == SHARED else
-                  f"stroke='{CACHED_EDGE_COLOR}' stroke-dasharray='3 2'" if c.status == CACHED else "stroke='#999'")
+                  f"stroke='{CACHED_EDGE_COLOR}' stroke-dasharray='3 2'" if c.status == CACHED else
+                  "stroke='#999'")
         if c.block_id == selected:
             stroke = "stroke='#ff9800' stroke-width='3.5'"
         out.append(f"<rect x='{x}' y='{y}' width='{size}' height='{size}' fill='none' {stroke}/>")
@@ -93,8 +97,9 @@ def block_grid_svg(st: BlockTableState, tokenizer: Any = None, selected: int | N
             low_ink = ink(c.colors[-1]) if solid and c.fill else "#333"
             out.append(f"<text x='{x + 3}' y='{y + 10}' font-size='9' fill='{top_ink}'>{c.block_id}</text>")
             if c.status == SHARED:
-                out.append(f"<rect x='{x + size / 2 - 13}' y='{y + size / 2 - 9}' width='26' height='17' rx='3' "
-                           f"fill='white' opacity='.85'/><text x='{x + size / 2}' y='{y + size / 2 + 4}' "
+                out.append(f"<rect x='{x + size / 2 - 13}' y='{y + size / 2 - 9}' width='26' height='17' "
+                           "rx='3' fill='white' opacity='.85'/>"
+                           f"<text x='{x + size / 2}' y='{y + size / 2 + 4}' "
                            f"text-anchor='middle' font-size='13' font-weight='bold'>×{c.ref_count}</text>")
             if c.hash is not None:
                 short_hash = f"#{c.hash:016x}"[:5]
@@ -116,17 +121,17 @@ def block_tables_html(st: BlockTableState) -> str:
             f"style='display:inline-block;min-width:22px;text-align:center;margin-right:3px;"
             f"border:{3 if refs.get(b, 0) > 1 else 1}px solid {col};border-radius:3px'>{b}</span>"
             for i, b in enumerate(table))
-        rows.append(f"<tr><td><span style='display:inline-block;width:12px;height:12px;background:{col}'></span>"
-                    f" seq {sid}</td><td>{chips}</td><td style='color:#666'>{st.computed_tokens.get(sid, 0)} tok"
-                    f"</td></tr>")
+        rows.append(f"<tr><td><span style='display:inline-block;width:12px;height:12px;background:{col}'>"
+                    f"</span> seq {sid}</td><td>{chips}</td>"
+                    f"<td style='color:#666'>{st.computed_tokens.get(sid, 0)} tok</td></tr>")
     body = "".join(rows) or "<tr><td style='color:#777'>(no running sequences)</td></tr>"
-    return (f"<div style='{FONT}'><b>block tables</b> (logical → physical)<table style='border-spacing:4px 3px'>"
-            f"{body}</table></div>")
+    return (f"<div style='{FONT}'><b>block tables</b> (logical → physical)"
+            f"<table style='border-spacing:4px 3px'>{body}</table></div>")
 
 
 def step_summary_html(st: BlockTableState) -> str:
-    parts = [f"<b>step {st.step}</b>: {st.num_used}/{st.num_blocks} blocks used, {st.num_cached} cached-free, "
-             f"{len(st.shared)} shared"]
+    parts = [f"<b>step {st.step}</b>: {st.num_used}/{st.num_blocks} blocks used, "
+             f"{st.num_cached} cached-free, {len(st.shared)} shared"]
     sched = ", ".join(f"seq {s} " + (f"prefill {p}" if p else f"decode {d}") for s, p, d in st.scheduled)
     parts.append(f"batch: {sched or '(empty)'}")
     hits = [f"seq {s} +{h} tokens" for s, h in st.cache_hits]
@@ -134,7 +139,8 @@ def step_summary_html(st: BlockTableState) -> str:
         parts.append("admitted (prefix hits): " + ", ".join(hits))
     if st.preempted:
         parts.append(f"<span style='color:{PREEMPT_COLOR}'><b>preempted</b>: "
-                     + ", ".join(f"seq {s}" for s in st.preempted) + " (blocks freed, recomputed later)</span>")
+                     + ", ".join(f"seq {s}" for s in st.preempted)
+                     + " (blocks freed, recomputed later)</span>")
     if st.finished:
         parts.append("finished: " + ", ".join(f"seq {s}" for s in st.finished))
     return f"<div style='{FONT}'>" + "<br>".join(parts) + "</div>"
@@ -165,8 +171,8 @@ def batch_svg(st: BatchCompositionState, step: int | None = None, width: int = 6
         y0, y1 = sy(g.bottom), sy(g.bottom + g.tokens)
         op = ".5" if g.kind == "decode" else "1"
         out.append(f"<rect x='{sx(g.step) + 0.1 * bw:.1f}' y='{y1:.1f}' width='{max(0.8 * bw, 1):.1f}' "
-                   f"height='{max(y0 - y1, 0.5):.1f}' fill='{g.color}' fill-opacity='{op}'><title>step {g.step}: "
-                   f"seq {g.seq_id} {g.kind} {g.tokens} tokens</title></rect>")
+                   f"height='{max(y0 - y1, 0.5):.1f}' fill='{g.color}' fill-opacity='{op}'>"
+                   f"<title>step {g.step}: seq {g.seq_id} {g.kind} {g.tokens} tokens</title></rect>")
     pts = " ".join(f"{sx(s):.1f},{sy(b):.1f} {sx(s + 1):.1f},{sy(b):.1f}" for s, b in enumerate(st.budgets))
     out.append(f"<polyline points='{pts}' fill='none' stroke='#444' stroke-dasharray='4 3'/>")
     for s, ids in st.preempted.items():
@@ -178,14 +184,16 @@ def batch_svg(st: BatchCompositionState, step: int | None = None, width: int = 6
                    f"font-size='9'>▼<title>step {s}: finished seq {', '.join(map(str, ids))}</title></text>")
     out.append(f"<line x1='{left}' y1='{top + h}' x2='{left + w}' y2='{top + h}' stroke='#333'/>")
     out.append(f"<text x='{left - 4}' y='{sy(st.max_budget) + 4:.1f}' text-anchor='end' font-size='10'>"
-               f"{st.max_budget}</text><text x='{left - 4}' y='{top + h}' text-anchor='end' font-size='10'>0</text>")
+               f"{st.max_budget}</text>"
+               f"<text x='{left - 4}' y='{top + h}' text-anchor='end' font-size='10'>0</text>")
     out.append(f"<text x='{left + w / 2}' y='{height - 4}' text-anchor='middle' font-size='10'>engine step "
                f"(bars: tokens per sequence; solid prefill, pale decode; dashed: budget)</text></svg>")
     return "".join(out)
 
 
 def batch_step_html(st: BatchCompositionState, step: int) -> str:
-    """One line on a step's batch: tokens used of the budget, each scheduled sequence, preemptions, finishes."""
+    """One line on a step's batch: tokens used of the budget, each scheduled sequence, preemptions,
+    finishes."""
     parts = [f"seq {g.seq_id} {g.kind} {g.tokens}" for g in st.bar(step)]
     extra = ""
     if step in st.preempted:
@@ -216,10 +224,12 @@ def kv_svg(st: KVUsageState, step: int | None = None, width: int = 640, height: 
            f"<polyline points='{hit_pts}' fill='none' stroke='{HIT_RATE_COLOR}' stroke-width='2'>"
            f"<title>prefix-cache hit rate</title></polyline>"]
     for s in st.preempt_steps:
-        out.append(f"<line x1='{sx(s):.1f}' y1='{top}' x2='{sx(s):.1f}' y2='{top + h}' stroke='{PREEMPT_COLOR}' "
-                   f"stroke-dasharray='2 2'><title>step {s}: preemption</title></line>")
+        out.append(f"<line x1='{sx(s):.1f}' y1='{top}' x2='{sx(s):.1f}' y2='{top + h}' "
+                   f"stroke='{PREEMPT_COLOR}' stroke-dasharray='2 2'>"
+                   f"<title>step {s}: preemption</title></line>")
     if step is not None:
-        out.append(f"<line x1='{sx(step):.1f}' y1='{top}' x2='{sx(step):.1f}' y2='{top + h}' stroke='black'/>")
+        out.append(f"<line x1='{sx(step):.1f}' y1='{top}' x2='{sx(step):.1f}' y2='{top + h}' "
+                   "stroke='black'/>")
         out.append(f"<text x='{left}' y='{top - 8}' font-size='11'>step {step}: KV blocks in use "
                    f"{usage[step]:.0%}, free but cached {cached[step]:.0%}, prefix-cache hit rate so far "
                    f"{st.hit_rate[step]:.0%}</text>")
@@ -229,7 +239,8 @@ def kv_svg(st: KVUsageState, step: int | None = None, width: int = 640, height: 
     legend = [(KV_USED_COLOR, "■ in use"), ("#d4b24c", "■ free, still cached"),
               (HIT_RATE_COLOR, "— hit rate (cumulative)"), (PREEMPT_COLOR, "┆ preemption")]
     for k, (col, label) in enumerate(legend):
-        out.append(f"<text x='{left + k * w / 4:.0f}' y='{height - 6}' font-size='10' fill='{col}'>{label}</text>")
+        out.append(f"<text x='{left + k * w / 4:.0f}' y='{height - 6}' font-size='10' "
+                   f"fill='{col}'>{label}</text>")
     out.append("</svg>")
     return "".join(out)
 
@@ -245,25 +256,26 @@ def prefix_tree_svg(st: PrefixTreeState, tokenizer: Any = None, selected_seq: in
     on_path = {n.node_id for n in st.path(selected_seq)} if selected_seq is not None else set()
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' style='{FONT}'>"]
     for d in range(1, st.max_depth + 1):
-        out.append(f"<text x='{px(d):.0f}' y='12' text-anchor='middle' font-size='10' fill='#555'>block {d - 1}"
-                   "</text>")
+        out.append(f"<text x='{px(d):.0f}' y='12' text-anchor='middle' font-size='10' fill='#555'>"
+                   f"block {d - 1}</text>")
     for node in st.nodes[1:]:
         p = st.nodes[node.parent]
         x0 = px(p.x) + (bw / 2 if p.parent is not None else 10)
         wide = 1 + len(node.seq_ids).bit_length()
-        out.append(f"<line x1='{x0:.0f}' y1='{py(p.y):.0f}' x2='{px(node.x) - bw / 2:.0f}' y2='{py(node.y):.0f}' "
-                   f"stroke='#999' stroke-width='{wide}'/>")
+        out.append(f"<line x1='{x0:.0f}' y1='{py(p.y):.0f}' x2='{px(node.x) - bw / 2:.0f}' "
+                   f"y2='{py(node.y):.0f}' stroke='#999' stroke-width='{wide}'/>")
     for leaf in st.leaves:
         node = st.nodes[leaf.node_id]
         x0 = px(node.x) + (bw / 2 if node.parent is not None else 10)
         col = st.seq_colors[leaf.seq_id]
         sel = leaf.seq_id == selected_seq
-        out.append(f"<line x1='{x0:.0f}' y1='{py(node.y):.0f}' x2='{px(leaf.x) - 6:.0f}' y2='{py(leaf.y):.0f}' "
-                   f"stroke='{col}' stroke-dasharray='4 3' stroke-width='{2.5 if sel else 1}'/>")
+        out.append(f"<line x1='{x0:.0f}' y1='{py(node.y):.0f}' x2='{px(leaf.x) - 6:.0f}' "
+                   f"y2='{py(leaf.y):.0f}' stroke='{col}' stroke-dasharray='4 3' "
+                   f"stroke-width='{2.5 if sel else 1}'/>")
         out.append(f"<rect x='{px(leaf.x) - 4:.0f}' y='{py(leaf.y) - 9:.0f}' width='230' height='18' rx='3' "
                    f"fill='{col}' fill-opacity='.35' stroke='{'#000' if sel else 'none'}'/>"
-                   f"<text x='{px(leaf.x):.0f}' y='{py(leaf.y) + 4:.0f}'>seq {leaf.seq_id}: {leaf.hit_tokens}/"
-                   f"{leaf.prompt_tokens} prompt tokens hit</text>")
+                   f"<text x='{px(leaf.x):.0f}' y='{py(leaf.y) + 4:.0f}'>seq {leaf.seq_id}: "
+                   f"{leaf.hit_tokens}/{leaf.prompt_tokens} prompt tokens hit</text>")
     out.append(f"<circle cx='{px(0):.0f}' cy='{py(st.root.y):.0f}' r='10' fill='white' stroke='#888'/>")
     for node in st.nodes[1:]:
         face = HIT_COLOR if node.hits else MISS_COLOR
@@ -272,8 +284,8 @@ def prefix_tree_svg(st: PrefixTreeState, tokenizer: Any = None, selected_seq: in
                f"{', '.join(map(str, node.seq_ids))}; physical blocks {node.block_ids}"
                + (f"; hash {node.hash:016x}" if node.hash is not None else "")
                + f"\ntokens: {short_text(tokenizer, node.tokens, 120)}")
-        out.append(f"<g><title>{escape(tip)}</title><rect x='{px(node.x) - bw / 2:.0f}' y='{py(node.y) - bh / 2:.0f}' "
-                   f"width='{bw}' height='{bh}' rx='4' fill='{face}' {stroke}/>"
+        out.append(f"<g><title>{escape(tip)}</title><rect x='{px(node.x) - bw / 2:.0f}' "
+                   f"y='{py(node.y) - bh / 2:.0f}' width='{bw}' height='{bh}' rx='4' fill='{face}' {stroke}/>"
                    f"<text x='{px(node.x):.0f}' y='{py(node.y) - 2:.0f}' text-anchor='middle' font-size='9'>"
                    f"{escape(short_text(tokenizer, node.tokens, 22))}</text>"
                    f"<text x='{px(node.x):.0f}' y='{py(node.y) + 10:.0f}' text-anchor='middle' font-size='8' "
@@ -301,17 +313,20 @@ def request_lanes_svg(st: RequestTimelineState, step: int | None = None, width: 
     for r, sid in enumerate(st.seq_ids):
         y = top + r * lane
         color = st.seq_colors[sid]
-        out.append(f"<text x='{left - 4}' y='{y + lane - 4}' text-anchor='end' font-size='9'>seq {sid}</text>")
+        out.append(f"<text x='{left - 4}' y='{y + lane - 4}' text-anchor='end' font-size='9'>"
+                   f"seq {sid}</text>")
         for s, kind in enumerate(st.kinds[sid]):
             x = left + s * cw
-            tip = f"step {s}: seq {sid} {kind}" + (f" {st.tokens[sid][s]} tokens" if st.tokens[sid][s] else "")
+            tip = (f"step {s}: seq {sid} {kind}"
+                   + (f" {st.tokens[sid][s]} tokens" if st.tokens[sid][s] else ""))
             if kind in ("prefill", "decode"):
                 op = "1" if kind == "prefill" else ".45"
                 out.append(f"<rect x='{x:.1f}' y='{y + 1}' width='{max(cw, 0.8):.1f}' height='{lane - 2}' "
                            f"fill='{color}' fill-opacity='{op}'><title>{tip}</title></rect>")
             elif kind == "preempted":
-                out.append(f"<text x='{x + cw / 2:.1f}' y='{y + lane - 3}' text-anchor='middle' font-size='{lane - 2}' "
-                           f"font-weight='bold' fill='{PREEMPT_COLOR}'>✕<title>{tip}</title></text>")
+                out.append(f"<text x='{x + cw / 2:.1f}' y='{y + lane - 3}' text-anchor='middle' "
+                           f"font-size='{lane - 2}' font-weight='bold' fill='{PREEMPT_COLOR}'>"
+                           f"✕<title>{tip}</title></text>")
             elif kind in ("wait", "stalled"):
                 out.append(f"<rect x='{x:.1f}' y='{y + 3}' width='{max(cw, 0.8):.1f}' height='{lane - 6}' "
                            f"fill='{LANE_COLORS[kind]}'><title>{tip}</title></rect>")
@@ -319,14 +334,15 @@ def request_lanes_svg(st: RequestTimelineState, step: int | None = None, width: 
             s = st.finished_step[sid]
             out.append(f"<text x='{left + (s + 1) * cw + 1:.1f}' y='{y + lane - 3}' font-size='{lane - 4}' "
                        f"fill='{FINISH_COLOR}'>▼<title>step {s}: seq {sid} finished</title></text>")
-    out.append(f"<text x='{left + w / 2}' y='{height - 6}' text-anchor='middle' font-size='10'>engine step (solid: "
-               "prefill, pale: decode, grey: waiting, yellow: running but not in the batch, ✕ preempted, ▼ finished)"
-               "</text></svg>")
+    out.append(f"<text x='{left + w / 2}' y='{height - 6}' text-anchor='middle' font-size='10'>engine step "
+               "(solid: prefill, pale: decode, grey: waiting, yellow: running but not in the batch, "
+               "✕ preempted, ▼ finished)</text></svg>")
     return "".join(out)
 
 
 def run_summary_html(sm: RunSummary, budget: int, num_blocks: int, block_size: int) -> str:
-    return (f"<div style='{FONT}'><b>budget {budget} tokens/step, {num_blocks} KV blocks of {block_size}</b>: "
+    return (f"<div style='{FONT}'><b>budget {budget} tokens/step, "
+            f"{num_blocks} KV blocks of {block_size}</b>: "
             f"{sm.steps} steps ({sm.seconds:.2f} s), {sm.computed_tokens} token positions computed for "
             f"{sm.prompt_tokens} prompt tokens; batch {sm.mean_batch_tokens:.1f} tokens on average "
             f"({sm.mean_fill:.0%} of the budget); {sm.chunked_steps} steps with a chunked prompt; "

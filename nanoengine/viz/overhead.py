@@ -1,4 +1,5 @@
-"""Where a decode step's time goes, measured on the machine at hand, and what the graph buckets pad. Chapter 06.
+"""Where a decode step's time goes, measured on the machine at hand, and what the graph buckets pad.
+Chapter 06.
 
 - `count_ops(fn)`: the aten ops a call dispatches, by name (a TorchDispatchMode that counts and runs each op);
 - `per_op_us()`: the host's cost of dispatching one tiny op (a 1-element add), median over many calls;
@@ -72,7 +73,8 @@ def per_op_us(calls: int = 2000, repeats: int = 5) -> float:
 def step_breakdown(name: str, measured_ms: float, num_ops: int, op_us: float, bytes_moved: float,
                    bandwidth_gbs: float) -> dict[str, Any]:
     """One configuration's row: measured step time, dispatch overhead (ops x per-op cost), memory time
-    (bytes / bandwidth), their sum, and the rest (measured - predicted: arithmetic, kernels' own work, noise)."""
+    (bytes / bandwidth), their sum, and the rest (measured - predicted: arithmetic, kernels' own work,
+    noise)."""
     overhead_ms = num_ops * op_us / 1e3
     memory_ms = bytes_moved / (bandwidth_gbs * 1e9) * 1e3
     return {"name": name, "measured_ms": measured_ms, "num_ops": num_ops, "overhead_ms": overhead_ms,
@@ -90,7 +92,8 @@ def plot_step_breakdown(rows: Sequence[dict[str, Any]], ax: Axes | None = None) 
     mem = [r["memory_ms"] for r in rows]
     ax.barh([i + 0.18 for i in y], over, height=0.34, color="#E45756", label="ops x per-op cost")
     ax.barh([i + 0.18 for i in y], mem, left=over, height=0.34, color="#4C78A8", label="bytes / bandwidth")
-    ax.barh([i - 0.18 for i in y], [r["measured_ms"] for r in rows], height=0.34, color="#999999", label="measured")
+    ax.barh([i - 0.18 for i in y], [r["measured_ms"] for r in rows], height=0.34, color="#999999",
+            label="measured")
     for i, r in enumerate(rows):
         ax.text(r["measured_ms"], i - 0.18, f" {r['measured_ms']:.1f} ms", va="center", fontsize=8)
         ax.text(r["predicted_ms"], i + 0.18, f" {r['predicted_ms']:.1f} ms ({r['num_ops']} ops)", va="center",
@@ -106,7 +109,8 @@ def plot_step_breakdown(rows: Sequence[dict[str, Any]], ax: Axes | None = None) 
 
 
 def bucket_padding(batches: Sequence[int], buckets: Sequence[int]) -> list[tuple[int, int | None]]:
-    """(batch, bucket it replays) for each decode step's batch size; None: larger than every bucket (eager)."""
+    """(batch, bucket it replays) for each decode step's batch size;
+    None: larger than every bucket (eager)."""
     ordered = sorted(buckets)
     return [(n, next((b for b in ordered if b >= n), None)) for n in batches]
 

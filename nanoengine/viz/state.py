@@ -195,7 +195,7 @@ def block_table_state(trace: RunTrace, step: int) -> BlockTableState:
 
 def _block_table_state(trace: RunTrace, s: StepTrace, colors: dict[int, str], computed: dict[int, int],
                        last_owner: dict[int, int], prev_used: set[int]) -> BlockTableState:
-    bs = trace.block_size
+    block_size = trace.block_size
     num_blocks = s.num_blocks or trace.num_blocks
     owners: dict[int, list[int]] = {}
     fill: dict[int, int] = {}
@@ -203,7 +203,7 @@ def _block_table_state(trace: RunTrace, s: StepTrace, colors: dict[int, str], co
         done = computed.get(sid, 0)
         for i, b in enumerate(s.block_tables[sid]):
             owners.setdefault(b, []).append(sid)
-            fill[b] = max(fill.get(b, 0), min(bs, max(0, done - i * bs)))
+            fill[b] = max(fill.get(b, 0), min(block_size, max(0, done - i * block_size)))
     cached = set(s.cached_free_blocks)
     tokens = getattr(s, "block_tokens", {}) or {}
     cells = []
@@ -220,10 +220,10 @@ def _block_table_state(trace: RunTrace, s: StepTrace, colors: dict[int, str], co
             status, cell_colors = FREE, (FREE_COLOR,)
         cells.append(BlockCell(
             block_id=b, status=status, owners=own, ref_count=ref, colors=cell_colors,
-            fill=fill.get(b, bs if status == CACHED else 0), hash=h, tokens=tuple(tokens.get(b, ())),
+            fill=fill.get(b, block_size if status == CACHED else 0), hash=h, tokens=tuple(tokens.get(b, ())),
             last_owner=None if own else last_owner.get(b), new=ref > 0 and b not in prev_used))
     return BlockTableState(
-        step=s.step, num_blocks=num_blocks, block_size=bs, cells=cells,
+        step=s.step, num_blocks=num_blocks, block_size=block_size, cells=cells,
         tables={sid: list(t) for sid, t in sorted(s.block_tables.items())},
         computed_tokens={sid: computed.get(sid, 0) for sid in sorted(s.block_tables)},
         seq_colors=colors,
@@ -394,7 +394,7 @@ class PrefixTreeState:
 
 def prefix_tree_state(trace: RunTrace) -> PrefixTreeState:
     trace = check_trace(trace)
-    bs = trace.block_size
+    block_size = trace.block_size
     colors = seq_colors(trace)
     nodes = [PrefixNode(0, None, 0, (), None)]
     by_prefix: dict[tuple[int, ...], int] = {(): 0}
@@ -407,9 +407,9 @@ def prefix_tree_state(trace: RunTrace) -> PrefixTreeState:
         prompt = trace.prompts[sid]
         parent, h = 0, None
         nodes[0].seq_ids.append(sid)
-        for i in range(len(prompt) // bs):
-            prefix = tuple(prompt[: (i + 1) * bs])
-            block = tuple(prompt[i * bs: (i + 1) * bs])
+        for i in range(len(prompt) // block_size):
+            prefix = tuple(prompt[: (i + 1) * block_size])
+            block = tuple(prompt[i * block_size: (i + 1) * block_size])
             h = BlockManager.compute_hash(list(block), h)
             nid = by_prefix.get(prefix)
             if nid is None:
@@ -431,13 +431,13 @@ def prefix_tree_state(trace: RunTrace) -> PrefixTreeState:
             if sid not in leaf_node:
                 continue
             for depth, node in enumerate(_path(nodes, leaf_node[sid]), start=1):
-                if depth * bs <= hit:
+                if depth * block_size <= hit:
                     node.hits += 1
                 else:
                     node.misses += 1
-    leaves = [PrefixLeaf(sid, leaf_node[sid], len(trace.prompts[sid]) % bs, len(trace.prompts[sid]),
+    leaves = [PrefixLeaf(sid, leaf_node[sid], len(trace.prompts[sid]) % block_size, len(trace.prompts[sid]),
                          first_hit.get(sid, 0)) for sid in sorted(trace.prompts)]
-    state = PrefixTreeState(bs, nodes, leaves, colors, total_hits, trace.prompt_tokens)
+    state = PrefixTreeState(block_size, nodes, leaves, colors, total_hits, trace.prompt_tokens)
     _layout(state)
     return state
 
@@ -559,7 +559,8 @@ def run_summary(trace: RunTrace) -> RunSummary:
     # prompt (minus its first prefix hit) are recomputation
     recomputed = prefill - sum(len(p) - first_admission.get(sid, 0) for sid, p in trace.prompts.items())
     prompts = trace.prompts
-    chunked = sum(any(e.prefill_tokens and e.num_computed_before + e.prefill_tokens < len(prompts.get(e.seq_id, ()))
+    chunked = sum(any(e.prefill_tokens
+                      and e.num_computed_before + e.prefill_tokens < len(prompts.get(e.seq_id, ()))
                       for e in s.scheduled) for s in trace.steps)
     return RunSummary(
         steps=len(trace.steps), sequences=len(trace.prompts), prompt_tokens=trace.prompt_tokens,

@@ -62,7 +62,8 @@ def plot_block_table(trace: RunTrace, step: int, ax: Axes | None = None, ncols: 
 
 def draw_block_table(st: BlockTableState, ax: Axes | None = None, ncols: int | None = None,
                      table_rows: int | None = None) -> Axes:
-    """Draw a BlockTableState; `table_rows` reserves room for that many block tables (same layout over steps)."""
+    """Draw a BlockTableState; `table_rows` reserves room for that many block tables (same layout over
+    steps)."""
     n = st.num_blocks
     ncols = ncols or grid_columns(n)
     nrows = math.ceil(n / ncols)
@@ -98,7 +99,8 @@ def draw_block_table(st: BlockTableState, ax: Axes | None = None, ncols: int | N
             continue
         text_color = ink(c.colors[-1]) if c.status not in (FREE, CACHED) and c.fill else "#333333"
         ax.text(x + 0.12, y + 0.86, str(c.block_id), fontsize=7, va="top", ha="left",
-                color=ink(c.colors[0]) if c.status not in (FREE, CACHED) and c.fill == st.block_size else "#333333")
+                color=(ink(c.colors[0]) if c.status not in (FREE, CACHED) and c.fill == st.block_size
+                       else "#333333"))
         if c.status == SHARED:
             ax.text(x + 0.5, y + 0.42, f"×{c.ref_count}", fontsize=11, fontweight="bold", ha="center",
                     va="center", color="black",
@@ -170,8 +172,8 @@ def plot_batch_composition(trace: RunTrace, ax: Axes | None = None, step: int | 
     lift = 0.04 * top
     for s, ids in st.preempted.items():
         ax.scatter([s], [st.totals[s] + lift], marker="X", s=60, color=PREEMPT_COLOR, zorder=5)
-        ax.annotate(", ".join(map(str, ids)), (s, st.totals[s] + lift), xytext=(4, 4), textcoords="offset points",
-                    fontsize=6.5, color=PREEMPT_COLOR)
+        ax.annotate(", ".join(map(str, ids)), (s, st.totals[s] + lift), xytext=(4, 4),
+                    textcoords="offset points", fontsize=6.5, color=PREEMPT_COLOR)
     for s in st.finished:
         ax.scatter([s], [st.totals[s] + 2.2 * lift], marker="v", s=28, color=FINISH_COLOR, zorder=5)
     if step is not None:
@@ -182,7 +184,8 @@ def plot_batch_composition(trace: RunTrace, ax: Axes | None = None, step: int | 
     ax.set_ylabel("tokens in the batch")
     ax.set_title("Batch composition: prefill and decode tokens per sequence, per step", fontsize=10)
     handles = [Patch(facecolor="#777777", label="prefill (solid)"),
-               Patch(facecolor="#777777", alpha=0.55, hatch="////", edgecolor="#777777", label="decode (hatched)"),
+               Patch(facecolor="#777777", alpha=0.55, hatch="////", edgecolor="#777777",
+                     label="decode (hatched)"),
                Line2D([], [], color="#444444", linestyle="--", label="token budget"),
                Line2D([], [], marker="X", color=PREEMPT_COLOR, linestyle="none", label="preempted"),
                Line2D([], [], marker="v", color=FINISH_COLOR, linestyle="none", label="finished")]
@@ -203,7 +206,8 @@ def plot_kv_usage(trace: RunTrace, ax: Axes | None = None, step: int | None = No
                  labels=["blocks in use", "free, still cached"], alpha=0.85)
     ax.plot(x, st.hit_rate, color=HIT_RATE_COLOR, linewidth=2, label="prefix-cache hit rate (cumulative)")
     for k, s in enumerate(st.preempt_steps):
-        ax.axvline(s, color=PREEMPT_COLOR, linestyle=":", linewidth=1.2, label="preemption" if k == 0 else None)
+        ax.axvline(s, color=PREEMPT_COLOR, linestyle=":", linewidth=1.2,
+                   label="preemption" if k == 0 else None)
     if step is not None:
         ax.axvline(step, color="black", linewidth=1)
     ax.set_xlim(0, max(x[-1], 1))
@@ -238,8 +242,8 @@ def plot_prefix_tree(trace: RunTrace, ax: Axes | None = None, tokenizer: Any = N
                 linewidth=0.8 + 1.2 * math.log2(len(node.seq_ids)), zorder=1, solid_capstyle="round")
     for leaf in st.leaves:
         node = st.nodes[leaf.node_id]
-        ax.plot([right(node), leaf.x - 0.08], [-node.y, -leaf.y], color=st.seq_colors[leaf.seq_id], linewidth=1,
-                linestyle="--", zorder=1)
+        ax.plot([right(node), leaf.x - 0.08], [-node.y, -leaf.y], color=st.seq_colors[leaf.seq_id],
+                linewidth=1, linestyle="--", zorder=1)
     ax.text(0, -st.root.y, "start", ha="center", va="center", fontsize=8,
             bbox=dict(boxstyle="circle,pad=0.3", facecolor="white", edgecolor="#888888"))
     for node in st.nodes[1:]:
@@ -249,10 +253,12 @@ def plot_prefix_tree(trace: RunTrace, ax: Axes | None = None, tokenizer: Any = N
         ax.text(node.x, -node.y + 0.15, short_text(tokenizer, node.tokens, 21), ha="center", va="center",
                 fontsize=6, zorder=3)
         blocks = ",".join(map(str, node.block_ids[:4])) + ("…" if len(node.block_ids) > 4 else "")
-        ax.text(node.x, -node.y - 0.15, f"{node.hits} hit · {node.misses} miss" + (f" · [{blocks}]" if blocks else ""),
+        ax.text(node.x, -node.y - 0.15,
+                f"{node.hits} hit · {node.misses} miss" + (f" · [{blocks}]" if blocks else ""),
                 ha="center", va="center", fontsize=5.5, color="#333333", zorder=3)
     for leaf in st.leaves:
-        ax.text(leaf.x, -leaf.y, f"seq {leaf.seq_id}: {leaf.hit_tokens}/{leaf.prompt_tokens} prompt tokens hit",
+        ax.text(leaf.x, -leaf.y,
+                f"seq {leaf.seq_id}: {leaf.hit_tokens}/{leaf.prompt_tokens} prompt tokens hit",
                 ha="left", va="center", fontsize=7, color="black",
                 bbox=dict(boxstyle="round,pad=0.2", facecolor=st.seq_colors[leaf.seq_id], alpha=0.35,
                           edgecolor="none"))
@@ -263,7 +269,8 @@ def plot_prefix_tree(trace: RunTrace, ax: Axes | None = None, tokenizer: Any = N
     ax.set_title(f"Prefix sharing: {len(st.leaves)} requests over {len(st.nodes) - 1} distinct full blocks; "
                  f"{st.hit_tokens} of {st.prompt_tokens} prompt tokens from the prefix cache ({rate:.0%})",
                  fontsize=9)
-    handles = [Patch(facecolor=HIT_COLOR, edgecolor="#555555", label="reused from the prefix cache at least once"),
+    handles = [Patch(facecolor=HIT_COLOR, edgecolor="#555555",
+                     label="reused from the prefix cache at least once"),
                Patch(facecolor=MISS_COLOR, edgecolor="#555555", label="only ever computed"),
                Line2D([], [], color="#888888", linewidth=3, label="edge width: requests through it")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=3, fontsize=7, frameon=False)

@@ -47,7 +47,8 @@ def plot_tp_shards(model: Any, ax: Axes | None = None) -> Axes:
             h = n / full[0]
             for r in range(size):
                 if how == "row":
-                    ax.add_patch(Rectangle((x0 + r / size, 0), 1 / size, 1, color=RANK_COLORS[r % 8], ec="white"))
+                    ax.add_patch(Rectangle((x0 + r / size, 0), 1 / size, 1, color=RANK_COLORS[r % 8],
+                                           ec="white"))
                 else:
                     ax.add_patch(Rectangle((x0, top - (r + 1) * h / size), 1, h / size,
                                            color=RANK_COLORS[r % 8], ec="white", lw=0.8))
@@ -65,13 +66,15 @@ def plot_tp_shards(model: Any, ax: Axes | None = None) -> Axes:
     for i, (what, comm) in enumerate(steps):
         x = i * GAP + 0.5
         if i:
-            ax.add_patch(FancyArrowPatch((x - GAP + 0.55, y), (x - 0.55, y), arrowstyle="->", mutation_scale=10))
+            ax.add_patch(FancyArrowPatch((x - GAP + 0.55, y), (x - 0.55, y), arrowstyle="->",
+                                         mutation_scale=10))
         ax.text(x, y, what, ha="center", va="center", fontsize=8)
         if comm:
             ax.text(x, y - 0.2, comm, ha="center", va="center", fontsize=8, color="white", weight="bold",
                     bbox=dict(boxstyle="round", fc="#444444"))
     layers = len(model.layers)
-    ax.text(2.5 * GAP + 0.5, y - 0.42, f"x {layers} decoder layers: {2 * layers + 1} all-reduces and 1 gather per step",
+    ax.text(2.5 * GAP + 0.5, y - 0.42,
+            f"x {layers} decoder layers: {2 * layers + 1} all-reduces and 1 gather per step",
             ha="center", va="top", fontsize=9)
     ax.legend(handles=[Patch(color=RANK_COLORS[r % 8], label=f"rank {r}") for r in range(size)],
               loc="upper right", bbox_to_anchor=(1.0, 1.32), ncol=size, fontsize=9, frameon=False)

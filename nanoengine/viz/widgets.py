@@ -72,7 +72,7 @@ class BlockTableView(_StepView):
         self._summary, self._grid = widgets.HTML(), widgets.HTML()
         self._tables, self._detail = widgets.HTML(), widgets.HTML()
         picker = widgets.Dropdown(options=[("(none)", -1)] + [(f"block {b}", b) for b in
-                                                               range(self.states[0].num_blocks)],
+                                                              range(self.states[0].num_blocks)],
                                   value=-1, description="block", layout=widgets.Layout(width="180px"))
         widgets.link((picker, "value"), (self, "selected_block"))
         top = [self._slider()] if slider else []
@@ -157,14 +157,15 @@ class PrefixTreeView(widgets.VBox):
         self.state: PrefixTreeState = prefix_tree_state(self.trace)
         self._chart, self._info = widgets.HTML(), widgets.HTML()
         picker = widgets.Dropdown(options=[("(none)", -1)] + [(f"seq {lf.seq_id}", lf.seq_id)
-                                                               for lf in self.state.leaves],
+                                                              for lf in self.state.leaves],
                                   value=-1, description="request")
         widgets.link((picker, "value"), (self, "selected_seq"))
         st = self.state
         rate = st.hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
         summary = widgets.HTML(f"<div style='{html.FONT}'>{len(st.leaves)} requests over {len(st.nodes) - 1} "
                                f"distinct full blocks of {st.block_size} tokens; {st.hit_tokens} of "
-                               f"{st.prompt_tokens} prompt tokens came from the prefix cache ({rate:.0%})</div>")
+                               f"{st.prompt_tokens} prompt tokens came from the prefix cache "
+                               f"({rate:.0%})</div>")
         self.children = [summary, picker, self._chart, self._info]
         self.observe(lambda _: self.redraw(), names="selected_seq")
         self.redraw()
@@ -191,18 +192,20 @@ class StepTimeline(_StepView):
         self.blocks = BlockTableView(self.trace, step, tokenizer, slider=False)
         self.batch = BatchCompositionView(self.trace, step)
         self.kv = KVUsageView(self.trace, step)
-        self.play = widgets.Play(value=0, min=0, max=self.num_steps - 1, interval=interval, description="play")
+        self.play = widgets.Play(value=0, min=0, max=self.num_steps - 1, interval=interval,
+                                 description="play")
         slider = self._slider()
         widgets.link((self.play, "value"), (slider, "value"))
         for view in (self.blocks, self.batch, self.kv):
             widgets.dlink((self, "step"), (view, "step"))
         title = widgets.HTML(f"<div style='{html.FONT}'><b>Engine run</b>: {self.num_steps} steps, "
-                             f"{len(self.trace.prompts)} sequences, {self.blocks.state.num_blocks} KV blocks of "
-                             f"{self.trace.block_size} tokens, budget {self.trace.max_num_batched_tokens} "
+                             f"{len(self.trace.prompts)} sequences, {self.blocks.state.num_blocks} KV blocks "
+                             f"of {self.trace.block_size} tokens, budget {self.trace.max_num_batched_tokens} "
                              "tokens/step</div>")
         self.children = [title, widgets.HBox([self.play, slider]), self.blocks,
                          widgets.HTML(f"<div style='{html.FONT}'><b>batch composition</b></div>"), self.batch,
-                         widgets.HTML(f"<div style='{html.FONT}'><b>KV usage and hit rate</b></div>"), self.kv]
+                         widgets.HTML(f"<div style='{html.FONT}'><b>KV usage and hit rate</b></div>"),
+                         self.kv]
         self.step = step
 
 
@@ -220,21 +223,26 @@ class ScheduleExplorer(widgets.VBox):
                  num_blocks: int | None = None, step: int = 0) -> None:
         super().__init__()
         if not runs:
-            raise ValueError("ScheduleExplorer needs at least one run: {(budget, num_blocks): llm.trace, ...}")
+            raise ValueError("ScheduleExplorer needs at least one run: "
+                             "{(budget, num_blocks): llm.trace, ...}")
         self.runs = {key: check_trace(t) for key, t in runs.items()}
         self.budgets = sorted({b for b, _ in self.runs})
         self.pools = sorted({p for _, p in self.runs})
         missing = [(b, p) for b in self.budgets for p in self.pools if (b, p) not in self.runs]
         if missing:
-            raise ValueError(f"ScheduleExplorer needs a run for every budget and pool size; missing {missing}")
+            raise ValueError("ScheduleExplorer needs a run for every budget and pool size; "
+                             f"missing {missing}")
         self.batch_states = {k: batch_composition_state(t) for k, t in self.runs.items()}
         self.lane_states = {k: request_timeline_state(t) for k, t in self.runs.items()}
         self.summaries = {k: run_summary(t) for k, t in self.runs.items()}
         self.budget_slider = widgets.SelectionSlider(options=self.budgets, value=budget or self.budgets[0],
-                                                     description="token budget", layout=widgets.Layout(width="420px"))
+                                                     description="token budget",
+                                                     layout=widgets.Layout(width="420px"))
         self.pool_slider = widgets.SelectionSlider(options=self.pools, value=num_blocks or self.pools[0],
-                                                   description="KV blocks", layout=widgets.Layout(width="420px"))
-        self.step_slider = widgets.IntSlider(min=0, max=0, description="step", layout=widgets.Layout(width="640px"))
+                                                   description="KV blocks",
+                                                   layout=widgets.Layout(width="420px"))
+        self.step_slider = widgets.IntSlider(min=0, max=0, description="step",
+                                             layout=widgets.Layout(width="640px"))
         widgets.link((self.step_slider, "value"), (self, "step"))
         self._summary, self._batch, self._info, self._lanes = (widgets.HTML() for _ in range(4))
         self.children = [self.budget_slider, self.pool_slider, self._summary, self.step_slider, self._batch,
