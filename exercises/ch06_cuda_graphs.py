@@ -41,9 +41,11 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
-    """Exercise 6.1: the bucket a decode batch of `batch` rows replays: the smallest bucket >= batch, or None
-    when the batch is larger than every bucket (it runs eagerly). `buckets` is sorted."""
-    raise NotImplementedError("Exercise 6.1: the bucket a decode batch of `batch` rows replays: the smallest bucket >= batch, or None - see book/06_cuda_graphs.ipynb")
+    """Exercise 6.1: the bucket a decode batch of `batch` rows replays.
+
+    The smallest bucket >= batch, or None when the batch is larger than every bucket (it runs eagerly).
+    `buckets` is sorted."""
+    raise NotImplementedError("Exercise 6.1: the bucket a decode batch of `batch` rows replays - see book/06_cuda_graphs.ipynb")
 
 
 def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput, bucket: int) -> int:
@@ -94,9 +96,8 @@ class StandInGraphs:
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
-        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward,
-        return its rows."""
-        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward, - see book/06_cuda_graphs.ipynb")
+        """Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows."""
+        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows - see book/06_cuda_graphs.ipynb")
 
 
 def count_ops(fn: Callable[[], object]) -> Counter[str]:

@@ -41,8 +41,10 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
-    """Exercise 6.1: the bucket a decode batch of `batch` rows replays: the smallest bucket >= batch, or None
-    when the batch is larger than every bucket (it runs eagerly). `buckets` is sorted."""
+    """Exercise 6.1: the bucket a decode batch of `batch` rows replays.
+
+    The smallest bucket >= batch, or None when the batch is larger than every bucket (it runs eagerly).
+    `buckets` is sorted."""
     # BEGIN SOLUTION
     return next((b for b in buckets if b >= batch), None)
     # END SOLUTION
@@ -139,8 +141,7 @@ class StandInGraphs:
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
-        """Exercise 6.3: load a decode step into the buffers, call its bucket's recorded forward,
-        return its rows."""
+        """Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows."""
         # BEGIN SOLUTION
         n = inp.num_tokens
         bs = pick_bucket(self.buckets, n)
