@@ -171,3 +171,18 @@ def test_smollm2_bf16_answers_and_stops_on_eos():
     assert "Paris" in out.text
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     assert "<|im_end|>" not in out.text
+
+
+def test_one_process_executor_runs_rpcs_and_keeps_sampling_on_the_driver(llm):
+    """The engine steps through its executor (one rank here): collective_rpc runs fn(runner, *args) on the
+    rank's ModelRunner, one result per rank; a seeded request's generator lives with the driver's sampler
+    while the request runs and goes when it finishes."""
+    blocks = llm.engine.executor.num_kv_blocks
+    assert llm.collective_rpc(lambda runner, k: (runner.num_blocks, k), 7) == [(blocks, 7)]
+    sampler = llm.engine.sampler
+    stream = llm.stream("hello", SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+    next(stream)
+    assert len(sampler.generators) == 1  # the running request's own generator
+    list(stream)
+    assert sampler.generators == {}
+    no_leaks(llm)
