@@ -152,8 +152,8 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         raise InvalidValueError(f"EngineConfig: max_model_len={max_model_len} is longer than the model's "
                                 f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
     tp = config.tensor_parallel_size
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    bytes_per_block = block_size * (shapes.kv_bytes_per_token(hf_config, itemsize) // tp)
+    per_token = shapes.kv_bytes_per_token(hf_config, getattr(torch, dtype).itemsize) // tp  # per rank
+    bytes_per_block = block_size * per_token
     kv_cache = kv_cache_size(config, device, bytes_per_block, max_model_len, block_size)
     return EnginePlan(
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,

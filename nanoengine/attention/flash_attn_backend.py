@@ -21,13 +21,13 @@ crashed on such a prompt of an exact multiple of the block size, sending flash-a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 
 from nanoengine.attention.base import AttentionBackend
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
-from nanoengine.attention.torch_backend import prompts_without_cache
+from nanoengine.attention.torch_backend import prompts_without_cache, self_attention
 
 
 @cache
@@ -99,7 +99,7 @@ class FlashAttnAttention(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
-            return prompts_without_cache(q, k, v, meta, self.scale)
+            return prompts_without_cache(q, k, v, meta, partial(self_attention, scale=self.scale))
         p = meta.plan if isinstance(meta.plan, FlashAttnPlan) else self.plan(meta, self.k_cache.shape)
         self.store_kv(k, v, heads_first(self.k_cache), heads_first(self.v_cache), meta.slot_mapping)
         nd = meta.num_decode_seqs

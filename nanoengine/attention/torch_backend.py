@@ -15,6 +15,7 @@ Prefill: per sequence, attend over (cached prefix + new tokens) with a causal ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,14 +153,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt (chunk) with no cached prefix over its own tokens: q [T, num_heads,
+    head_dim], k, v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+    return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale)
+
+
 def prompts_without_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor:
-    """Causal attention of each prompt over its own new tokens, for a forward with no KV cache bound (the
+                          attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                          ) -> torch.Tensor:
+    """Each prompt's `attend(q, k, v)` over its own new tokens, for a forward with no KV cache bound (the
     warm-up forward that measures peak memory, tests): any backend's answer there."""
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     for start, q_len in zip(meta.prefill_query_starts, meta.prefill_query_lens):
         s = slice(start, start + q_len)
-        out[s] = prefill_attention(q[s], k[s].transpose(0, 1), v[s].transpose(0, 1), scale)
+        out[s] = attend(q[s], k[s], v[s])
     return out
 
 
@@ -183,12 +191,9 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        out = torch.empty_like(q)
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens
-            for start, q_len in zip(meta.prefill_query_starts, meta.prefill_query_lens):
-                s = slice(start, start + q_len)
-                out[s] = self.prompt_attention(q[s], k[s], v[s])
-            return out
+            return prompts_without_cache(q, k, v, meta, self.prompt_attention)
+        out = torch.empty_like(q)
         p = meta.plan if meta.plan is not None else self.plan(meta, self.k_cache.shape)
         self.store(k, v, meta, p)
         nd = meta.num_decode_seqs
@@ -217,7 +222,7 @@ class TorchAttention(AttentionBackend):
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt (chunk) with no cached prefix over its own tokens: q [T, num_heads,
         head_dim], k, v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
-        return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), self.scale)
+        return self_attention(q, k, v, self.scale)
 
     def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         """Causal attention of a chunk's queries q [q_len, num_heads, head_dim] (the last q_len of context_len

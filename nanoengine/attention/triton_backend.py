@@ -18,12 +18,13 @@ were first imported without it). triton itself is imported only when this backen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from nanoengine.attention.base import AttentionBackend
 from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
-from nanoengine.attention.torch_backend import kv_cache_shape, prompts_without_cache
+from nanoengine.attention.torch_backend import kv_cache_shape, prompts_without_cache, self_attention
 
 
 @dataclass
@@ -86,7 +87,7 @@ class TritonAttention(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
-            return prompts_without_cache(q, k, v, meta, self.scale)
+            return prompts_without_cache(q, k, v, meta, partial(self_attention, scale=self.scale))
         p = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, self.k_cache.shape)
         self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]

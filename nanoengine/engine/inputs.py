@@ -138,6 +138,7 @@ class InputBuilder:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        table_lens: list[int] = []  # each decode's block-table length
         block_size = self.block_size
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
@@ -148,18 +149,21 @@ class InputBuilder:
             positions.append(pos)
             slots.append(-1 if pos < seq.num_cached_tokens
                          else seq.block_table[pos // block_size] * block_size + pos % block_size)
+            table_lens.append(len(seq.block_table))
             if pos + 1 == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
         # prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix
         starts, qlens, ctxs = [], [], []
+        widest = max(table_lens, default=0)  # block-table columns this step needs
         for s in prefills:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             starts.append(len(ids))
             qlens.append(n)
             ctxs.append(start + n)
             table = seq.block_table
+            widest = max(widest, len(table))
             for pos in range(start, start + n):
                 ids.append(seq.token_ids[pos])
                 positions.append(pos)
@@ -170,8 +174,7 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
-        host = self.host_buffers(len(ids), len(scheduled),
-                                 max((len(s.seq.block_table) for s in scheduled), default=0))
+        host = self.host_buffers(len(ids), len(scheduled), widest)
         n = len(ids)
         host.ids[:n] = ids
         host.positions[:n] = positions
@@ -186,7 +189,7 @@ class InputBuilder:
         # block tables of the decodes, and their context lengths (the new token included)
         nd = len(decodes)
         if decodes:
-            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(decodes)]
+            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(decodes, table_lens)]
             host.context_lens[:nd] = [s.seq.num_computed_tokens + 1 for s in decodes]
             dctx = host.context_lens_t[:nd]
         else:
@@ -220,14 +223,13 @@ class InputBuilder:
         self.copied.record()
         return inp
 
-    def decode_block_tables(self, decodes: list[Any]) -> int:
-        """Fill host.decode_tables[:num_decodes] with the decodes' block tables, padded with 0; return the
-        width (the longest table). Consecutive steps mostly decode the same sequences, and a table only grows
-        (by one block every block_size tokens) until the block manager empties it (preemption, counted in
-        seq.num_table_resets), so the rows of the last step are kept and only those whose table grew are
-        written."""
+    def decode_block_tables(self, decodes: list[Any], lens: list[int]) -> int:
+        """Fill host.decode_tables[:num_decodes] with the decodes' block tables (`lens` long), padded with
+        0; return the width (the longest table). Consecutive steps mostly decode the same sequences, and a
+        table only grows (by one block every block_size tokens) until the block manager empties it
+        (preemption, counted in seq.num_table_resets), so the rows of the last step are kept and only those
+        whose table grew are written."""
         ids = [(s.seq.seq_id, s.seq.num_table_resets) for s in decodes]
-        lens = [len(s.seq.block_table) for s in decodes]
         buf = self.host.decode_tables
         if ids != self._decode_ids:  # another batch: start afresh
             rows, cols = self._dirty

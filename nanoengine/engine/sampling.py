@@ -42,7 +42,7 @@ class RequestSampler:
         any_min_p = any(p.min_p > 0.0 for p in params)
 
         def rows(values: list, dtype: torch.dtype) -> torch.Tensor:  # [B] on the logits' device
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)  # no host sync
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)  # no stream sync
 
         return SamplingBatch(
             temperatures=rows([p.temperature for p in params], torch.float32),
