@@ -66,8 +66,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from nanoengine.bench import online
 
         return online.main(args)
+    if args.host_only:
+        from nanoengine.bench import host
+
+        return host.main(args)
     from nanoengine.bench import run  # torch and the benchmark load only when they are needed
 
+    args.model = args.model or assets.DEFAULT_MODEL
     return run.main(args)
 
 
@@ -162,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                        description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
                                    "when installed, on a GPU) on one seeded workload; prints a table and "
                                    "writes a JSON result and a plot.")
-    b.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
+    b.add_argument("--model", default=None, help="asset name or local Hugging Face folder (default: "
+                   f"{assets.DEFAULT_MODEL}; with --host-only qwen3-0.6b-shape)")
+    b.add_argument("--host-only", action="store_true",
+                   help="the host's ms per decode step at batch 1/32/256 with the model stubbed, overlap "
+                        "scheduling off and on, split by phase (nanoengine/bench/host.py)")
+    b.add_argument("--steps", type=int, default=200, help="decode steps measured per batch (--host-only)")
     b.add_argument("--workload", default="cpu-small",
                    help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
                         "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | "

@@ -49,6 +49,10 @@ class EngineConfig:
     torch_compile: bool | None = None
     prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
     tensor_parallel_size: int = 1
+    # overlap scheduling (vLLM's name; chapter 06): step N+1 is scheduled and built while step N runs, and
+    # its input ids for the sequences step N samples come from step N's tokens on the device. None = on where
+    # it pays (see plan.pick_async_scheduling); False = every step waits for the one before
+    async_scheduling: bool | None = None
     seed: int = 0
     trace: bool = False
     # the learner's pieces (nanoengine.pieces): chapters whose exercises replace the engine's own components,

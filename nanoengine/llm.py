@@ -71,7 +71,7 @@ class LLM:
             params = [SamplingParams() if sampling_params is None else sampling_params] * len(prompts)
         engine = self.engine
         # check every request before queueing any, so one bad prompt leaves nothing half-added
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [engine.make_request(p, sp, final_only=True) for p, sp in zip(prompts, params)]
         if self.plan.trace:
             self.trace = engine.start_trace()
         for r in requests:
@@ -95,6 +95,7 @@ class LLM:
         finally:  # let the engine forget these requests; after Ctrl-C this also aborts the unfinished ones
             for r in requests:
                 engine.abort(r.request_id)
+            engine.drain()  # a step launched before they finished (overlap): its tokens go nowhere
             if bar is not None:
                 bar.close()
         n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -135,6 +136,7 @@ class LLM:
                         yield delta
         finally:
             engine.abort(req.request_id)
+            engine.drain()
 
     def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                     chat_template_kwargs: dict | None = None) -> Iterator[str]:

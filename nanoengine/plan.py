@@ -23,6 +23,7 @@ triton is installed (and on CPU, whether its interpreter is on), and whether fla
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -93,6 +94,7 @@ class EnginePlan:
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
     tensor_parallel_size: int
+    async_scheduling: bool  # overlap: the host schedules step N+1 while step N runs (engine/executor.py)
     dist_backend: str  # "nccl" when every rank has a GPU, else "gloo"
     seed: int
     trace: bool
@@ -163,8 +165,29 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         kv_bytes_per_block=bytes_per_block,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
         bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config),
-        tensor_parallel_size=tp, dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
+        tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,
+                                                                           config.trace),
+        dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
         trace=config.trace, pieces=pieces)
+
+
+def pick_async_scheduling(want: bool | None, device: str, trace: bool) -> bool:
+    """Overlap scheduling where it pays: on CUDA, where kernels run while the host goes on; on CPU, where the
+    forward runs on the executor's thread (torch and the C++ kernels let go of the GIL while they compute)
+    beside the host's Python, only when torch's threads leave a core for that Python. When they take every
+    core, the host's work would slow the forward's whole thread team by as much as it hides. Off by default
+    with trace=True: a traced step's snapshot of the block tables is then taken right after it (with overlap
+    it is taken when the step finishes, after the next one has been scheduled)."""
+    import torch
+
+    if want is not None:
+        return want
+    if trace:
+        return False
+    if device == "cuda":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return torch.get_num_threads() < cores
 
 
 def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:

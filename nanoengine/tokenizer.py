@@ -131,9 +131,13 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def decode_all(self) -> str:
+        """The text of every token pushed so far, in one decode (what the deltas add up to, after flush)."""
+        return self._decode(self.token_ids)
+
     def flush(self) -> str:
         """At the end: whatever is left (a truly invalid byte sequence decodes to U+FFFD)."""
-        full = self._decode(self.token_ids)
+        full = self.decode_all()
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         self.read_offset = len(self.token_ids)

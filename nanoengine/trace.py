@@ -24,28 +24,40 @@ class StepStats:
     cache_hit_tokens: int  # prompt tokens served from the prefix cache for sequences admitted this step
     num_preempted: int
     schedule_s: float  # scheduler
-    prepare_s: float  # input builder: the flat inputs and attention metadata, on the host
-    forward_s: float  # model runner: attention plan, forward, logits and sampling
-    postprocess_s: float  # appending tokens, stop rules, detokenization
+    prepare_s: float  # input builder: the flat inputs and attention metadata, and the sampler's parameters
+    forward_s: float  # the host's time on the forward: launching it, and waiting for its tokens (wait_s)
+    postprocess_s: float  # counting the tokens computed, appending the new ones, stop rules, detokenization
     time: float  # seconds since the engine was created, at the end of the step
+    detokenize_s: float = 0.0  # the part of postprocess_s in Completion.push (text and stop strings)
+    wait_s: float = 0.0  # the part of forward_s the host sat waiting for the step's tokens
+    started: float = 0.0  # when the step was launched (scheduling began), on the same clock as `time`
+    finishing: float = 0.0  # when the host turned to finishing it (waiting for its tokens)
+    # when the forward and the draw ran, where the host's clock sees them (CPU; None on CUDA, where they run
+    # on the device after the launch returned)
+    forward_start: float | None = None
+    forward_end: float | None = None
+    late_rows: int = 0  # sampled rows whose sequence had finished meanwhile (overlap: its step came late)
 
     @property
     def duration_s(self) -> float:
         return self.schedule_s + self.prepare_s + self.forward_s + self.postprocess_s
 
+    @property
+    def host_s(self) -> float:
+        """The host's own work for the step: all but waiting for the device."""
+        return self.duration_s - self.wait_s
+
     @classmethod
-    def of(cls, out: Any, block_manager: Any, times: tuple[float, float, float, float, float],
-           clock_start: float) -> StepStats:
-        """The numbers of one step from its SchedulerOutput, the block manager after it and its five time
-        stamps (start, scheduled, inputs built, forward done, end)."""
-        t0, t1, t2, t3, t4 = times
+    def of(cls, out: Any, block_manager: Any, clock_start: float, end: float, **times: Any) -> StepStats:
+        """The numbers of one step from its SchedulerOutput, the block manager after it, and its times (the
+        `*_s` fields, and the moments already on the engine's clock; `end` is perf_counter, the engine's clock
+        started at clock_start)."""
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
         return cls(num_seqs=len(out.scheduled), prefill_tokens=prefill,
                    decode_tokens=out.num_batched_tokens - prefill,
                    used_blocks=block_manager.num_used_blocks, num_blocks=block_manager.num_blocks,
                    cache_hit_tokens=sum(h for _, h in out.cache_hits), num_preempted=len(out.preempted),
-                   schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, postprocess_s=t4 - t3,
-                   time=t4 - clock_start)
+                   time=end - clock_start, **times)
 
 
 @dataclass

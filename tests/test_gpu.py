@@ -29,33 +29,48 @@ def test_cuda_seeded_sampling_is_reproducible():
 
 
 def test_a_decode_step_makes_no_host_sync_from_schedule_to_graph_replay():
-    """A step's inputs are written into pinned host buffers and copied with non_blocking=True, and a decode
-    step that replays a CUDA graph reads nothing back: from the scheduler to the replay the host never waits
-    for the GPU (torch raises on any synchronizing call in sync-debug mode 'error')."""
+    """A step's inputs are written into pinned host buffers and copied with non_blocking=True on a side
+    stream, a decode step that replays a CUDA graph reads nothing back, and with overlap its input ids come
+    from the last step's tokens on the device: from the scheduler to the replay and the draw, launching a
+    step never waits for the GPU (torch raises on any synchronizing call in sync-debug mode 'error')."""
     import torch
 
     from nanoengine.plan import DecodeMode
 
-    llm = LLM("tiny-qwen3", device="cuda", max_num_seqs=8, num_kvcache_blocks=64)
+    llm = LLM("tiny-qwen3", device="cuda", max_num_seqs=8, num_kvcache_blocks=64, async_scheduling=True)
     if llm.plan.decode_mode is not DecodeMode.CUDA_GRAPHS:
         pytest.skip(f"decode steps run {llm.plan.decode_mode.value} here "
                     f"({llm.plan.attention_backend} attention)")
     eng = llm.engine
     for p in PROMPTS[:3]:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    eng.step()  # the prompts (eagerly)
-    eng.step()  # a first decode step
+    for _ in range(3):
+        eng.step()  # the prompts (eagerly), then decode steps, one of them in flight
     runner = eng.executor.runner
     replays = sum(runner.graphs.replays.values())
-    assert replays == 1
+    assert replays >= 1 and eng.in_flight is not None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = eng.scheduler.schedule()
-        inp, seqs = eng.inputs.build(out.scheduled)
-        logits = eng.executor.execute(inp)
+        launched = eng.launch()  # step N+1, its ids read from step N's tokens on the device
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert inp.is_decode_only and sum(runner.graphs.replays.values()) == replays + 1
-    assert logits.shape[0] == len(seqs) == 3
-    eng.scheduler.postprocess(out, list(zip(seqs, eng.sampler.sample(logits, seqs))))
+    assert sum(runner.graphs.replays.values()) == replays + 1
+    eng.finish(eng.in_flight)  # step N, then N+1, in order
+    eng.in_flight = launched
+    eng.drain()
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_overlap_on_cuda_equals_off():
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[13]),
+              SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=8, ignore_eos=True)]
+    options = dict(device="cuda", dtype="float32", num_kvcache_blocks=12, block_size=16,
+                   max_num_batched_tokens=32)
+    want = LLM("tiny-qwen3", async_scheduling=False, **options).generate(PROMPTS, params, use_tqdm=False)
+    got = LLM("tiny-qwen3", async_scheduling=True, **options).generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in w.outputs] == [c.token_ids for c in g.outputs]

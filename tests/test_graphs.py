@@ -169,7 +169,10 @@ def test_out_of_range_steps_run_eagerly():
 # ------------------------------------------------------------------------------------------ the engine
 def generate(batches: list[list[str]], params, checked: bool = False, **options) -> tuple[list, LLM]:
     """Greedy tokens of each batch in turn on one engine (tiny-qwen3, float32). With `checked`, every replay's
-    static buffers are checked against the step's sequences (their true tables, contexts, slots)."""
+    static buffers are checked against the step's sequences (their true tables, contexts, slots), without
+    overlap scheduling (with it the host moves the sequences on while the step runs)."""
+    if checked:
+        options["async_scheduling"] = False
     llm = LLM("tiny-qwen3", dtype="float32", block_size=4, max_num_seqs=8, max_model_len=256, **options)
     engine, runner = llm.engine, llm.engine.executor.runner
     if checked:

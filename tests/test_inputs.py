@@ -88,32 +88,39 @@ def test_kept_decode_tables_equal_fresh_ones():
         assert np.array_equal(got, fresh(decodes)), f"step {step}"
 
 
-def test_host_buffers_are_reused_and_grown_only_when_a_step_needs_more():
-    """Every step writes into the same host buffers (pinned on CUDA, for copies without a host sync): the
-    ModelInput's tensors are views of them, valid until the next build, and a step larger than the buffers
-    grows them once, after which they are reused again."""
+def test_host_buffers_take_turns_are_reused_and_grown_only_when_a_step_needs_more():
+    """Steps write into two sets of host buffers in turn (pinned on CUDA, for copies without a host sync), so
+    a step can be built while the one before still reads its inputs (overlap scheduling): a ModelInput's
+    tensors are views of its set, valid until the build after next, and a step larger than its set grows that
+    set once, after which it is reused again."""
     builder = InputBuilder(4, max_tokens=8, max_seqs=2, max_blocks=2)
-    host = builder.host
+    a_set, b_set = builder.sets
     seqs = [seq_with(range(10 * i, 10 * i + 5), [i, 10 + i], computed=4) for i in range(2)]
-    first, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
-    want_first = first.input_ids.tolist()
-    for s in seqs:  # the next decode step
-        s.token_ids.append(99)
-        s.num_computed_tokens += 1
-    second, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
-    assert builder.host is host  # no new buffers
-    for a, b in ((first.input_ids, second.input_ids), (first.positions, second.positions),
-                 (first.attn.slot_mapping, second.attn.slot_mapping), (first.sample_rows, second.sample_rows),
-                 (first.attn.decode_block_tables, second.attn.decode_block_tables)):
-        # the same memory, step after step
-        assert a.data_ptr() == b.data_ptr() == a.untyped_storage().data_ptr()
-    assert second.input_ids.tolist() == [99, 99] and want_first == [4, 14]  # the values are this step's own
+    steps = []
+    for step in range(3):
+        steps.append(builder.build([ScheduledSeq(s, 1, False) for s in seqs])[0])
+        assert builder.host is (a_set, b_set)[step % 2]  # no new buffers, the sets in turn
+        for s in seqs:  # the next decode step
+            s.token_ids.append(90 + step)
+            s.num_computed_tokens += 1
+    first, second, third = steps
+    for a, b, c in ((first.input_ids, second.input_ids, third.input_ids),
+                    (first.positions, second.positions, third.positions),
+                    (first.attn.slot_mapping, second.attn.slot_mapping, third.attn.slot_mapping),
+                    (first.sample_rows, second.sample_rows, third.sample_rows),
+                    (first.attn.decode_block_tables, second.attn.decode_block_tables,
+                     third.attn.decode_block_tables)):
+        # the same memory every other step, and the other set's in between
+        assert a.data_ptr() == c.data_ptr() == a.untyped_storage().data_ptr() != b.data_ptr()
+    assert second.input_ids.tolist() == [90, 90] and third.input_ids.tolist() == [91, 91]
     assert second.attn.decode_context_lens.tolist() == [6, 6] and second.positions.tolist() == [5, 5]
+    assert third.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]
     big = seq_with(range(20), [1, 2, 3, 4, 5], computed=0)  # 20 prompt tokens, 5 blocks: more than they hold
-    inp, _ = builder.build([ScheduledSeq(big, 20, True)])
-    assert builder.host is not host and builder.host.fits(20, 1, 5)
+    inp, _ = builder.build([ScheduledSeq(big, 20, True)])  # set B's turn: it grows
+    grown = builder.host
+    assert grown is not b_set and grown.fits(20, 1, 5) and builder.sets == [a_set, grown]
     assert (inp.input_ids.tolist() == list(range(20))
             and inp.attn.prefill_block_tables[0].tolist() == [1, 2, 3, 4, 5])
-    grown = builder.host
-    again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
-    assert builder.host is grown and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]
+    for want in (a_set, grown):
+        again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
+        assert builder.host is want and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]

@@ -36,10 +36,10 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def write_json(result: dict[str, Any], out_dir: str | Path) -> Path:
+def write_json(result: dict[str, Any], out_dir: str | Path, name: str | None = None) -> Path:
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    path = path / f"{result_name(result)}.json"
+    path = path / f"{name or result_name(result)}.json"
     path.write_text(json.dumps(_clean(result), indent=1, allow_nan=False, default=str))
     return path
 

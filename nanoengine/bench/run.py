@@ -76,7 +76,8 @@ def run_online(llm: LLM, wl: Workload, request_rate: float, seed: int = 0,
     eng = llm.engine
     _warm_up(llm)
     params = _params(wl)
-    reqs = [eng.make_request({"prompt_token_ids": p}, sp) for p, sp in zip(wl.prompts, params)]
+    reqs = [eng.make_request({"prompt_token_ids": p}, sp, final_only=True)
+            for p, sp in zip(wl.prompts, params)]
     pending = deque(zip(arrivals, reqs))
     active, metrics, cached = [], {}, {}
     bar = tqdm(total=len(reqs), desc="Online requests", disable=quiet, dynamic_ncols=True)

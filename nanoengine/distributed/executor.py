@@ -28,17 +28,18 @@ class MultiprocExecutor(Executor):
         self.workers = Workers(plan)  # spawned; they build their runners while rank 0 builds its own
         with self.workers.lockstep():
             self.runner = ModelRunner(plan, parts, self.workers.group)
+        self.start_thread(plan)
 
-    def execute(self, model_input: ModelInput) -> torch.Tensor | None:
+    def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         with self.workers.lockstep():
-            self.workers.send("execute", (model_input,))
-            return self.runner.execute(model_input)
+            self.workers.send("execute", (model_input,))  # they take prev_tokens from rank 0 (ModelRunner)
+            return self.runner.execute(model_input, prev_tokens)
 
-    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+    def run_rpc(self, method: str | Callable, args: tuple) -> list[Any]:
         with self.workers.lockstep():
             self.workers.send(method, args, reply=True)
             mine = call_on(self.runner, method, args)
             return [mine, *self.workers.replies()]
 
-    def close(self) -> None:
+    def stop_ranks(self) -> None:
         self.workers.close()

@@ -160,13 +160,15 @@ class BlockManager:
         `num_computed_tokens` (default: seq.num_computed_tokens) may count the tokens this step is about to
         compute: the scheduler registers blocks as soon as they are scheduled, so a request admitted later in
         the same step already hits them. That is safe because every attention layer stores the whole batch's
-        K/V before any sequence attends.
+        K/V before any sequence attends. A block holding a pending token (sampled by a step still in flight)
+        waits: its hash needs the token's id.
         """
         if not self.enable_prefix_caching:
             return
         table = seq.block_table
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
+        num_computed_tokens = min(num_computed_tokens, seq.num_known_tokens)
         num_full = min(num_computed_tokens // self.block_size, len(table))
         # hashed blocks form a prefix of the table: walk back to the first unhashed full block
         start = num_full

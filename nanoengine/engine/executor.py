@@ -10,12 +10,26 @@ the executor's business. The interface:
 - `close()`: stop whatever it started; it cannot step afterwards.
 Here: `UniprocExecutor`, one rank in this process. The tensor-parallel executor, rank 0 here and the other
 ranks in worker processes, is `nanoengine.distributed.executor.MultiprocExecutor`.
+
+Overlap scheduling (chapter 06) lives here too: `launch(model_input, draw)` runs a step and draws its tokens
+without making the caller wait, and hands back `SampledTokens` to wait on later. The executor keeps the
+tokens of the step it launched last on the device: the next step's input ids for the sequences that step
+sampled are read from them (`ModelInput.prev_sampled`), so the host can build step N+1 before step N's tokens
+reach it. Where the forward runs:
+- on CUDA, in the caller's thread: kernels queue on the stream and the call returns; the tokens are copied to
+  pinned memory behind an event, so waiting for them is waiting on that event, never a device sync;
+- on CPU with `async_scheduling`, on the executor's one thread (steps run in launch order, and every other
+  call is queued behind them), while the caller's thread goes on with Python: torch and the C++ decode step
+  release the GIL while they compute;
+- otherwise in the caller's thread, so `launch` returns when the step is done.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,9 +48,53 @@ def call_on(runner: ModelRunner, method: str | Callable, args: tuple) -> Any:
     return method(runner, *args) if callable(method) else getattr(runner, method)(*args)
 
 
+class SampledTokens:
+    """The tokens a launched step sampled [num_sampled] int64, once they are known (`get`)."""
+
+    def __init__(self, tokens: torch.Tensor | None, ran: tuple[float, float] | None = None) -> None:
+        self.tokens = tokens  # on the device (None: the step sampled no row)
+        self.ran = ran  # perf_counter at the start and end of the forward and draw (CPU; None on CUDA)
+        self.host = None
+        self.ready = None
+        if tokens is not None and tokens.device.type == "cuda":  # copy out behind an event, no sync
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def get(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+            return self.host.tolist()
+        return self.tokens.tolist()
+
+
+class LaunchedStep:
+    """A step running on the executor's thread: its SampledTokens when it is done."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def get(self) -> list[int]:
+        return self.future.result().get()  # raises what the step raised
+
+    @property
+    def ran(self) -> tuple[float, float] | None:
+        return self.future.result().ran
+
+
 class Executor(ABC):
     """Rank 0's ModelRunner (`runner`) and however the other ranks run."""
     runner: ModelRunner
+    thread: ThreadPoolExecutor | None = None  # where steps run with async_scheduling on CPU
+    last_tokens: torch.Tensor | None = None  # the tokens of the step launched last, on rank 0's device
+
+    def start_thread(self, plan: EnginePlan) -> None:
+        """The forward thread of overlap scheduling on CPU (see the module docstring)."""
+        if plan.async_scheduling and plan.device == "cpu":
+            self.thread = ThreadPoolExecutor(1, thread_name_prefix="nanoengine-forward")
 
     @property
     def num_kv_blocks(self) -> int:
@@ -48,18 +106,61 @@ class Executor(ABC):
         """Rank 0's device, where the logits come back."""
         return self.runner.device
 
-    @abstractmethod
     def execute(self, model_input: ModelInput) -> torch.Tensor | None:
         """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32."""
+        return self.on_thread(self.run_step, model_input, self.last_tokens)
+
+    def launch(self, model_input: ModelInput,
+               draw: Callable[[torch.Tensor], torch.Tensor]) -> SampledTokens | LaunchedStep:
+        """Run one step and draw its tokens from rank 0's logits (`draw`: logits -> token ids [num_sampled],
+        on the device), without waiting where the device or the thread allows; `.get()` waits for them."""
+        if self.thread is not None:
+            return LaunchedStep(self.thread.submit(self.run_and_draw, model_input, draw))
+        return self.run_and_draw(model_input, draw)
+
+    @torch.inference_mode()
+    def run_and_draw(self, model_input: ModelInput, draw: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> SampledTokens:
+        start = time.perf_counter()
+        logits = self.run_step(model_input, self.last_tokens)
+        self.last_tokens = None if logits is None else draw(logits)  # [num_sampled]
+        on_host = self.device.type == "cpu"
+        return SampledTokens(self.last_tokens, (start, time.perf_counter()) if on_host else None)
+
+    def settle(self) -> None:
+        """Wait for the steps launched on the thread (whatever they raise is dropped) and forget the last
+        tokens: after a failed step, the next one reads nothing of the ones before."""
+        if self.thread is not None:
+            self.thread.submit(lambda: None).result()
+        self.last_tokens = None
+
+    def on_thread(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args), behind every step launched before it (on the forward thread, if there is one)."""
+        return fn(*args) if self.thread is None else self.thread.submit(fn, *args).result()
 
     @abstractmethod
+    def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """The step on every rank, with the last step's tokens for the input ids it reads from them."""
+
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
         """Run a ModelRunner method (or fn(runner, *args)) on every rank;
         every rank's result, rank 0 first."""
+        return self.on_thread(self.run_rpc, method, args)
 
     @abstractmethod
+    def run_rpc(self, method: str | Callable, args: tuple) -> list[Any]:
+        """collective_rpc, in the thread the steps run in."""
+
     def close(self) -> None:
-        """Stop the ranks this executor started; it cannot step afterwards."""
+        """Stop the ranks this executor started (and its thread); it cannot step afterwards."""
+        if self.thread is not None:
+            self.thread.shutdown(wait=True)
+            self.thread = None
+        self.stop_ranks()
+
+    @abstractmethod
+    def stop_ranks(self) -> None:
+        """Stop whatever ranks this executor started."""
 
 
 class UniprocExecutor(Executor):
@@ -67,12 +168,13 @@ class UniprocExecutor(Executor):
 
     def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
         self.runner = ModelRunner(plan, parts, SINGLE)
+        self.start_thread(plan)
 
-    def execute(self, model_input: ModelInput) -> torch.Tensor | None:
-        return self.runner.execute(model_input)
+    def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        return self.runner.execute(model_input, prev_tokens)
 
-    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+    def run_rpc(self, method: str | Callable, args: tuple) -> list[Any]:
         return [call_on(self.runner, method, args)]
 
-    def close(self) -> None:
+    def stop_ranks(self) -> None:
         pass  # nothing was started

@@ -10,12 +10,18 @@ Each new token also gets its cache slot (block * block_size + offset), or -1 whe
 already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
 the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
 
-Plain Python and numpy over Sequences, written into host buffers allocated once and reused by every step
-(pinned on CUDA, so the copies to the device are asynchronous: `non_blocking=True`, no host sync; a step waits
-for the previous step's copies out of the buffers before it overwrites them). On CPU the ModelInput's tensors
-are views of those buffers, valid until the next `build`. A decode-only `ModelInput` is all fixed-width
-tensors (ids, positions, slots, context lengths [B]; block tables [B, W]), which a CUDA-graph runner copies
-into its padded static buffers as they are. No model: it is tested on its own.
+A sequence whose last token is still pending (sampled by the step in flight, overlap scheduling) gets the
+placeholder as its input id, -(row + 1), and the ModelInput says how many tokens that step samples
+(`prev_sampled`): the model runner reads those ids from the executor's last tokens, on the device.
+
+Plain Python and numpy over Sequences, written into host buffers allocated once and reused (pinned on CUDA,
+so the copies to the device are asynchronous: `non_blocking=True`, no host sync; they are issued on a side
+stream, and the step's stream waits for them). There are two sets, used in turn, so a step can be built while
+the one before still reads its inputs; a set is overwritten only after its copies are done. On CPU the
+ModelInput's tensors are views of those buffers, valid until the build after next. A decode-only
+`ModelInput` is all fixed-width tensors (ids, positions, slots, context lengths [B]; block tables [B, W]),
+which a CUDA-graph runner copies into its padded static buffers as they are. No model: it is tested on its
+own.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class ModelInput:
     attn: AttentionMetadata
     sample_rows: torch.Tensor = field(default_factory=no_rows)  # [num_sampled] int64: rows whose logits are
     # sampled (each a sequence's last token), increasing
+    prev_sampled: int = 0  # > 0: some input ids are -(row + 1), row `row` of the tokens of the step before
+    # (which sampled this many)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +73,7 @@ class ModelInput:
         return ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
                           self.positions.to(device, non_blocking=non_blocking),
                           self.attn.to(device, non_blocking),
-                          self.sample_rows.to(device, non_blocking=non_blocking))
+                          self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled)
 
 
 class BuiltStep(NamedTuple):
@@ -79,10 +87,16 @@ MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]
 
 class HostBuffers:
     """The host memory a step's inputs are written into, allocated once (pinned for a CUDA device) and grown
-    only when a step needs more: numpy views to fill, torch views to hand out (the same memory)."""
+    only when a step needs more: numpy views to fill, torch views to hand out (the same memory). It keeps the
+    decode block tables it last held (see `InputBuilder.decode_block_tables`) and, on CUDA, the event of the
+    last copies out of it."""
 
     def __init__(self, tokens: int, seqs: int, blocks: int, pin: bool) -> None:
         self.tokens, self.seqs, self.blocks, self.pin = tokens, seqs, blocks, pin
+        self.copied = torch.cuda.Event() if pin else None
+        self.decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences (id, table resets)
+        self.decode_lens: list[int] = []  # and their table lengths
+        self.dirty = (0, 0)  # rows and columns of decode_tables that may hold a block id
 
         def alloc(*shape: int) -> tuple[torch.Tensor, np.ndarray]:
             t = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
@@ -119,15 +133,11 @@ class InputBuilder:
         self.device = torch.device(device)
         self.attention_metadata = attention_metadata
         on_cuda = self.device.type == "cuda"
-        self.host = HostBuffers(max_tokens, max_seqs, max_blocks, pin=on_cuda)
-        self.copied = torch.cuda.Event() if on_cuda else None  # the last step's copies out of self.host
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the kept decode block tables (see `decode_block_tables`)."""
-        self._decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences, their table lengths
-        self._decode_lens: list[int] = []
-        self._dirty = (0, 0)  # rows and columns of host.decode_tables that may hold a block id
+        self.sets = [HostBuffers(max_tokens, max_seqs, max_blocks, pin=on_cuda) for _ in range(2)]
+        self.turn = 0  # the set the next step is built in
+        self.host = self.sets[0]
+        self.copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self.last_num_sampled = 0  # rows the last built step samples: its tokens are the pending ones
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
@@ -180,14 +190,17 @@ class InputBuilder:
         host.positions[:n] = positions
         host.sample_rows[:len(sample_rows)] = sample_rows
         rows = host.sample_rows_t[:len(sample_rows)]
+        nd = len(decodes)
+        # only a decode's input can be a pending token (a sequence whose last step is still in flight)
+        prev = self.last_num_sampled if nd and host.ids[:nd].min() < 0 else 0
+        self.last_num_sampled = len(sample_rows)
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
-            return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)),
-                             sample_seqs)
+            return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows,
+                                                       prev)), sample_seqs)
 
         host.slots[:n] = slots
         # block tables of the decodes, and their context lengths (the new token included)
-        nd = len(decodes)
         if decodes:
             dtables = host.decode_tables_t[:nd, :self.decode_block_tables(decodes, table_lens)]
             host.context_lens[:nd] = [s.seq.num_computed_tokens + 1 for s in decodes]
@@ -203,24 +216,32 @@ class InputBuilder:
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
             decode_context_lens=dctx, prefill_query_starts=starts, prefill_query_lens=qlens,
             prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
-        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows)),
+        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows, prev)),
                          sample_seqs)
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
-        """The host buffers, free to overwrite (the last step's copies out of them are done) and large enough
-        for this step."""
-        if self.copied is not None and not self.copied.query():
-            self.copied.synchronize()  # only if the device has not yet read the last step's inputs
-        if not self.host.fits(tokens, seqs, blocks):
-            self.host = self.host.grown(tokens, seqs, blocks)
-            self.reset()
-        return self.host
+        """This step's set of host buffers (the sets take turns), free to overwrite (the copies out of it are
+        done) and large enough for this step."""
+        host = self.sets[self.turn]
+        if host.copied is not None and not host.copied.query():
+            host.copied.synchronize()  # only if the device has not yet read that step's inputs
+        if not host.fits(tokens, seqs, blocks):
+            host = self.sets[self.turn] = host.grown(tokens, seqs, blocks)
+        self.turn = 1 - self.turn
+        self.host = host
+        return host
 
     def to_device(self, inp: ModelInput) -> ModelInput:
-        if self.copied is None:
+        if self.copy_stream is None:
             return inp.to(self.device)
-        inp = inp.to(self.device, non_blocking=True)
-        self.copied.record()
+        step_stream = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(step_stream)  # what ran before on the step's stream comes first
+        with torch.cuda.stream(self.copy_stream):
+            inp = inp.to(self.device, non_blocking=True)
+            self.host.copied.record()
+        step_stream.wait_stream(self.copy_stream)  # the step reads them after the copies, without a host sync
+        for t in tensors_of(inp):  # made on the copy stream, used on the step's: keep their memory till then
+            t.record_stream(step_stream)
         return inp
 
     def decode_block_tables(self, decodes: list[Any], lens: list[int]) -> int:
@@ -229,19 +250,30 @@ class InputBuilder:
         table only grows (by one block every block_size tokens) until the block manager empties it
         (preemption, counted in seq.num_table_resets), so the rows of the last step are kept and only those
         whose table grew are written."""
+        host = self.host
         ids = [(s.seq.seq_id, s.seq.num_table_resets) for s in decodes]
-        buf = self.host.decode_tables
-        if ids != self._decode_ids:  # another batch: start afresh
-            rows, cols = self._dirty
+        buf = host.decode_tables
+        if ids != host.decode_ids:  # another batch: start afresh
+            rows, cols = host.dirty
             buf[:rows, :cols] = 0
-            self._dirty = (0, 0)
-            self._decode_ids, self._decode_lens = ids, [0] * len(ids)
-        old = self._decode_lens
+            host.dirty = (0, 0)
+            host.decode_ids, host.decode_lens = ids, [0] * len(ids)
+        old = host.decode_lens
         for i, n in enumerate(lens):
             if n != old[i]:
                 buf[i, old[i]:n] = decodes[i].seq.block_table[old[i]:n]  # tables only ever grow at the end
                 old[i] = n
         width = max(lens)
-        self._dirty = (max(self._dirty[0], len(lens)), max(self._dirty[1], width))
+        host.dirty = (max(host.dirty[0], len(lens)), max(host.dirty[1], width))
         return width
+
+
+def tensors_of(inp: ModelInput) -> list[torch.Tensor]:
+    """Every tensor a ModelInput holds, its attention metadata's included."""
+    found = [inp.input_ids, inp.positions, inp.sample_rows]
+    for value in vars(inp.attn).values():
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
 

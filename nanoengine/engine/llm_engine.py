@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 import torch
 
 from nanoengine.config import EngineConfig
-from nanoengine.engine.executor import Executor
+from nanoengine.engine.executor import Executor, LaunchedStep, SampledTokens
 from nanoengine.engine.inputs import InputBuilder, ModelInput
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Completion, Request, check_token_ids, parse_prompt
@@ -35,6 +36,16 @@ from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
+
+
+@dataclass
+class InFlight:
+    """A launched step: what the host needs to finish it once its tokens are known."""
+    out: SchedulerOutput
+    sample_seqs: list[Sequence]  # the sequence of each sampled row
+    taken: list[int]  # the rows whose sequences hold a place for the token (Scheduler.advance)
+    tokens: SampledTokens | LaunchedStep | None  # None: nothing was scheduled
+    times: list[float]  # started, scheduled, built, launched, advanced (perf_counter)
 
 
 class LLMEngine:
@@ -60,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0
+        self.in_flight: InFlight | None = None  # the step launched and not yet finished (overlap)
         self.trace: RunTrace | None = None
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run
@@ -68,9 +80,10 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, final_only: bool = False) -> Request:
         """Tokenize and check a request without queueing it (so a batch can be checked before any is
-        added)."""
+        added). final_only: its text is read only once it is done, so `step` makes no deltas for it and
+        (without stop strings) it is detokenized once, at the end (see Completion)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -85,7 +98,7 @@ class LLMEngine:
             if i and self.plan.enable_prefix_caching:
                 s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
         self.scheduler.check_admission(seqs[0])
-        return Request(rid, text, ids, params, [Completion(s, self.tokenizer) for s in seqs],
+        return Request(rid, text, ids, params, [Completion(s, self.tokenizer, final_only) for s in seqs],
                        RequestMetrics(time.perf_counter()))
 
     def add(self, request: Request) -> None:
@@ -108,13 +121,16 @@ class LLMEngine:
         for s in req.seqs if req is not None else ():
             self.scheduler.abort(s)
             self.sampler.release(s)
+        if not self.scheduler.has_unfinished():
+            self.drain()  # a step in flight now samples for no one: finish it, so the engine is idle
 
     def close(self) -> None:
         """Stop the executor's ranks (tensor parallelism's worker processes)."""
         self.executor.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Sequences to run, or a step in flight to finish."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def start_trace(self) -> RunTrace:
         self.trace = RunTrace(block_size=self.plan.block_size, num_blocks=self.block_manager.num_blocks,
@@ -124,18 +140,72 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------- one step
     def step(self) -> list[tuple[Request, int, str]]:
-        """One engine step. Returns (request, completion index, text delta) for every token that made text."""
+        """One engine step. Returns (request, completion index, text delta) for every token that made text.
+
+        A step is launched (schedule, build, hand to the executor, count its tokens as computed: `launch`)
+        and later finished (its tokens appended, stop rules, text, numbers: `finish`). Without overlap each
+        step finishes before the next is launched. With `async_scheduling` a call launches step N+1, then
+        finishes step N, whose forward ran meanwhile: the host's work for one hides behind the device's for
+        the other (chapter 06)."""
+        try:
+            launched = self.launch()
+            done = [self.in_flight] if self.in_flight is not None else []
+            self.in_flight = None
+            if launched.tokens is not None and self.plan.async_scheduling:
+                self.in_flight = launched
+            elif launched.tokens is not None or launched.out.preempted or not done:
+                done.append(launched)  # (an empty launch after a finished one is not a step)
+            return [delta for step in done for delta in self.finish(step)]
+        except BaseException:
+            self.forget_steps_in_flight()
+            raise
+
+    def forget_steps_in_flight(self) -> None:
+        """After a step failed (or was interrupted): as if the launched, unfinished steps never ran. The
+        executor's thread finishes what it holds, the tokens they sampled are dropped, and each sequence that
+        waited for one goes back to computing its last known token, so the engine can step again."""
+        self.in_flight = None
+        self.executor.settle()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.num_pending_tokens:
+                seq.drop_pending()
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+
+    def launch(self) -> InFlight:
+        """Schedule a step, build its inputs and start it on the executor with its draw; its tokens count as
+        computed and its sampled sequences hold the places of their next tokens (Scheduler.advance)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        sampled: list[tuple[Sequence, int]] = []
-        t2 = t1
-        if out.scheduled:
-            inp, sample_seqs = self.inputs.build(out.scheduled)
-            t2 = time.perf_counter()
-            sampled = self.next_tokens(inp, sample_seqs)
+        if not out.scheduled:
+            return InFlight(out, [], [], None, [t0, t1, t1, t1, t1])
+        inp, sample_seqs = self.inputs.build(out.scheduled)
+        draw = self.sampler.drawer(sample_seqs)
+        t2 = time.perf_counter()
+        tokens = self.executor.launch(inp, draw)
         t3 = time.perf_counter()
-        finished = self.scheduler.postprocess(out, sampled)
+        taken = self.scheduler.advance(out, sample_seqs)
+        return InFlight(out, sample_seqs, taken, tokens, [t0, t1, t2, t3, time.perf_counter()])
+
+    def finish(self, step: InFlight) -> list[tuple[Request, int, str]]:
+        """Wait for a launched step's tokens, put each in its place (stop rules: Scheduler.resolve), hand it
+        to its Completion for text (stop strings), and record the step's numbers."""
+        t_wait = time.perf_counter()
+        tokens = step.tokens.get() if step.tokens is not None else []
+        t_known = time.perf_counter()
+        finished: list[Sequence] = []
+        sampled: list[tuple[Sequence, int]] = []
+        late = 0
+        for row in step.taken:
+            seq = step.sample_seqs[row]
+            if seq.is_finished:  # aborted, or stopped by the token before (sampled after this was launched)
+                late += 1
+                continue
+            token = tokens[row]
+            if self.scheduler.resolve(seq, token, step.out):
+                finished.append(seq)
+            sampled.append((seq, token))
+        t_resolved = time.perf_counter()
         deltas = []
         for seq, token in sampled:
             req = self.requests[seq.request_id]
@@ -146,17 +216,36 @@ class LLMEngine:
                 finished.append(seq)
             if delta:
                 deltas.append((req, seq.index, delta))
-        t4 = time.perf_counter()
-        self.note_times(out, sampled, finished, t1, t3, t4)
-        self.stats.append(StepStats.of(out, self.block_manager, (t0, t1, t2, t3, t4), self.start_time))
+        t_end = time.perf_counter()
+        t0, t1, t2, t3, t_advanced = step.times
+        self.note_times(step.out, sampled, finished, t1, t_known, t_end)
+        clock = self.start_time
+        ran = step.tokens.ran if step.tokens is not None else None
+        stats = StepStats.of(step.out, self.block_manager, clock, schedule_s=t1 - t0,
+                             prepare_s=t2 - t1, forward_s=(t3 - t2) + (t_known - t_wait),
+                             postprocess_s=(t_advanced - t3) + (t_end - t_known),
+                             detokenize_s=t_end - t_resolved, wait_s=t_known - t_wait, end=t_end,
+                             started=t0 - clock, finishing=t_wait - clock,
+                             forward_start=None if ran is None else ran[0] - clock,
+                             forward_end=None if ran is None else ran[1] - clock, late_rows=late)
+        self.stats.append(stats)
         if self.trace is not None:
-            self.trace.record(out, finished, self.stats[-1], self.scheduler.running, self.block_manager)
+            self.trace.record(step.out, finished, stats, self.scheduler.running, self.block_manager)
         self.step_count += 1
         return deltas
 
+    def drain(self) -> list[tuple[Request, int, str]]:
+        """Finish the step in flight, if any (overlap scheduling), so the engine is idle."""
+        step, self.in_flight = self.in_flight, None
+        try:
+            return self.finish(step) if step is not None else []
+        except BaseException:
+            self.forget_steps_in_flight()
+            raise
+
     def next_tokens(self, inp: ModelInput, sample_seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Run a built step on every rank (the executor), then sample: (sequence, next token) for every
-        sequence that reaches its last token in this step."""
+        sequence that reaches its last token in this step (the synchronous form of a step, for the book)."""
         logits = self.executor.execute(inp)  # [len(sample_seqs), vocab] fp32, or None
         return [] if logits is None else list(zip(sample_seqs, self.sampler.sample(logits, sample_seqs)))
 
@@ -165,9 +254,9 @@ class LLMEngine:
         """Request metrics (first scheduled, first token, finished);
         finished sequences let go of their state."""
         for s in out.scheduled:
-            metrics = self.requests[s.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = scheduled_at
+            req = self.requests.get(s.seq.request_id)  # None: aborted while the step ran
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = scheduled_at
         for seq, _ in sampled:
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_token_time is None:
@@ -183,6 +272,9 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (float32) of one prompt through the engine's model and KV cache, in
         one prefill: the book's way to compare the engine with transformers (chapter 02)."""
+        if self.in_flight is not None:
+            raise InvalidValueError("prompt_logits needs an idle engine, but a step is in flight; call "
+                                    "engine.drain() first")
         seq = Sequence(check_token_ids(list(token_ids), self.plan.hf_config.vocab_size), SamplingParams(),
                        self.plan.block_size)
         if not self.block_manager.can_allocate(seq, seq.num_tokens):

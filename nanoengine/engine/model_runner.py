@@ -18,6 +18,7 @@ each built with its `TPGroup` (its shard of the model, its own KV heads), and st
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -169,12 +170,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor | None:
+    def execute(self, inp: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """The forward of one step, then the logits of its sampled rows [num_sampled, vocab] fp32 (gathered
-        on rank 0; None on the other ranks, and when no row is sampled)."""
+        on rank 0; None on the other ranks, and when no row is sampled). `prev_tokens`: the tokens the step
+        before sampled (rank 0; overlap scheduling), where some of this step's input ids are theirs."""
         inp = inp.to(self.device, non_blocking=True)
+        if inp.prev_sampled:
+            inp = self.with_sampled_ids(inp, prev_tokens)
         hidden = self.forward(inp)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[inp.sample_rows]) if inp.num_sampled else None
+
+    def with_sampled_ids(self, inp: ModelInput, prev_tokens: torch.Tensor | None) -> ModelInput:
+        """The step with its pending input ids (-(row + 1): row `row` of the step before's tokens) read from
+        those tokens, on the device. Under tensor parallelism rank 0 alone has them: an all-reduce of them
+        and the other ranks' zeros hands them to every rank."""
+        if self.tp.rank != 0:
+            prev_tokens = torch.zeros(inp.prev_sampled, dtype=torch.int64, device=self.device)
+        elif prev_tokens is None or prev_tokens.shape[0] != inp.prev_sampled:
+            raise RuntimeError(f"the step reads {inp.prev_sampled} tokens of the step before, but the "
+                               f"executor holds {None if prev_tokens is None else prev_tokens.shape[0]}: "
+                               "steps must run in the order they were built")
+        elif self.tp.size > 1:
+            prev_tokens = prev_tokens.clone()  # the all-reduce sums in place
+        prev_tokens = self.tp.all_reduce(prev_tokens)  # [prev_sampled]
+        ids = inp.input_ids  # [num_tokens], pending ones < 0
+        from_prev = prev_tokens[(-1 - ids).clamp_(min=0)]  # [num_tokens]
+        return dataclasses.replace(inp, input_ids=torch.where(ids >= 0, ids, from_prev))
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:

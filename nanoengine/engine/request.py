@@ -66,10 +66,14 @@ def check_token_ids(ids: Any, vocab_size: int, what: str = "prompt token ids") -
 class Completion:
     """One output stream: its sequence, its detokenizer, its text, and the stop string it hit (if any)."""
 
-    def __init__(self, seq: Sequence, tokenizer: Any) -> None:
+    def __init__(self, seq: Sequence, tokenizer: Any, final_only: bool = False) -> None:
+        """final_only: nobody reads the text before the sequence ends (LLM.generate; vLLM's FINAL_ONLY
+        output kind), so with no stop string to watch for it is decoded once, at the end, instead of token by
+        token: no text deltas, and no detokenizing inside the step loop."""
         self.seq = seq
         self.params: SamplingParams = seq.sampling_params
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
+        self.deferred = final_only and not self.params.stop_strings
         self.text = ""
         self.stop_string: str | None = None  # set when the text reached one of params.stop_strings
         self.num_sent = 0  # characters of `text` already returned as deltas
@@ -83,6 +87,8 @@ class Completion:
         """Take a token the scheduler just appended to the sequence; return the new text to show. When the
         text reaches a stop string it is cut there (after it with include_stop_str_in_output) and
         `stop_string` is set: the caller then finishes the sequence. The deltas add up to `text`."""
+        if self.deferred:
+            return ""  # the text is made at the end (output)
         new = self.detokenizer.push(token)
         if self.seq.is_finished:
             new += self.detokenizer.flush()
@@ -114,7 +120,11 @@ class Completion:
 
     def output(self) -> CompletionOutput:
         seq = self.seq
-        return CompletionOutput(index=seq.index, text=self.text, token_ids=list(seq.completion_token_ids),
+        ids = seq.completion_token_ids
+        if self.deferred and len(self.detokenizer.token_ids) != len(ids):  # the text so far, in one decode
+            self.detokenizer.token_ids = list(ids)
+            self.text = self.detokenizer.text = self.detokenizer.decode_all()
+        return CompletionOutput(index=seq.index, text=self.text, token_ids=list(ids),
                                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
 

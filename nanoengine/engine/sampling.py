@@ -10,6 +10,8 @@ A request with a seed gets its own generator, seeded with seed + its completion 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nanoengine.engine.sequence import Sequence
@@ -22,10 +24,22 @@ class RequestSampler:
         self.vocab_size = vocab_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
+        self.last_ids: list[int] = []  # the sequences of the last batch laid out, and that batch
+        self.last_batch: SamplingBatch | None = None
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [len(seqs), vocab] fp32 -> one token per sequence."""
         return self.sampler(logits, self.batch(seqs)).tolist()
+
+    def drawer(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The draw of one step, its parameters laid out now: logits [len(seqs), vocab] fp32 -> token ids
+        [len(seqs)] on the logits' device (what the executor calls when the logits exist, maybe on its
+        thread)."""
+        ids = [s.seq_id for s in seqs]
+        if ids != self.last_ids:  # decode steps mostly sample the same sequences as the step before
+            self.last_ids, self.last_batch = ids, self.batch(seqs)
+        batch = self.last_batch
+        return lambda logits: self.sampler(logits, batch)
 
     def batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
@@ -56,3 +70,5 @@ class RequestSampler:
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's sampling state."""
         self.generators.pop(seq.seq_id, None)
+        if seq.seq_id in self.last_ids:
+            self.last_ids, self.last_batch = [], None

@@ -97,8 +97,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:  # nothing to compute until the engine hands it a token
-                i += 1
+            if n == 0 or (seq.num_pending_tokens and self.ends_at_length(seq)):
+                i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
             computed = seq.num_computed_tokens
             if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
@@ -176,30 +176,60 @@ class Scheduler:
     # ------------------------------------------------------------------ after the forward pass
     def postprocess(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Account the computed tokens, cache full blocks, append sampled tokens, apply the stop rules; return
-        the sequences that finished.
+        the sequences that finished (the step's two halves, `advance` and `resolve`, one after the other).
 
         `sampled` holds (sequence, new token) for every scheduled sequence that reached its last token this
         step (the model runner's output); a token for a sequence still in the middle of a chunked prefill is
         ignored. Blocks freed by finishing sequences are added to `out.blocks_freed`.
         """
+        taken = self.advance(out, [seq for seq, _ in sampled])
+        return [sampled[i][0] for i in taken if self.resolve(sampled[i][0], sampled[i][1], out)]
+
+    def advance(self, out: SchedulerOutput, sample_seqs: list[Sequence]) -> list[int]:
+        """The step is launched: its tokens count as computed (their blocks fill and are cached), and every
+        sampled sequence that reached its end holds the place of its next token (`Sequence.append_pending`),
+        so the next step can be scheduled before this one's tokens are known. Returns the rows (indices into
+        `sample_seqs`) that hold a place; `resolve` each one's token once it is known."""
         bm = self.block_manager
         for s in out.scheduled:
             seq = s.seq
-            if not seq.is_finished:  # else: aborted between schedule() and postprocess()
+            if not seq.is_finished:  # else: aborted between schedule() and now
                 before = seq.num_computed_tokens
                 seq.num_computed_tokens += s.num_new_tokens
                 if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
                     bm.cache_full_blocks(seq)
-        finished = []
-        for seq, token in sampled:
-            if seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
-                continue
-            seq.append_token(token)
-            reason, stop_reason = self._stop_reason(seq, token)
-            if reason is not None:
-                out.blocks_freed += self._finish(seq, reason, stop_reason)
-                finished.append(seq)
-        return finished
+        taken = []
+        for row, seq in enumerate(sample_seqs):
+            if not seq.is_finished and seq.num_computed_tokens == seq.num_tokens:
+                seq.append_pending(row)
+                taken.append(row)
+        return taken
+
+    def resolve(self, seq: Sequence, token: int, out: SchedulerOutput | None = None) -> bool:
+        """The token a launched step sampled for `seq` is known: it takes its place, the block it completes
+        is cached, and the stop rules apply. True if that finished the sequence (its blocks are freed and
+        added to `out.blocks_freed`). A sequence that finished meanwhile (aborted, or stopped by the token
+        before: the step after it was launched before that was known) ignores it."""
+        if seq.is_finished:
+            return False
+        seq.resolve(token)
+        known = seq.num_known_tokens
+        if self.block_manager.fills_a_block(known - 1, known):  # the token completes a block
+            self.block_manager.cache_full_blocks(seq)
+        reason, stop_reason = self._stop_reason(seq, token)
+        if reason is None:
+            return False
+        freed = self._finish(seq, reason, stop_reason)
+        if out is not None:
+            out.blocks_freed += freed
+        return True
+
+    def ends_at_length(self, seq: Sequence) -> bool:
+        """Whatever its pending tokens turn out to be, they bring seq to its length limit (max_tokens or the
+        longest a sequence may grow): with overlap, such a sequence is not scheduled again."""
+        max_tokens = seq.sampling_params.max_tokens
+        return ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
+                or seq.num_tokens >= self._max_len)
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, the stop token id that caused it) after `token` was appended;
@@ -212,7 +242,7 @@ class Scheduler:
             return "stop", None
         if sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens:
             return "length", None
-        if seq.num_tokens >= self._max_len:
+        if seq.num_known_tokens >= self._max_len:
             return "length", None
         return None, None
 
@@ -236,6 +266,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> list[int]:
         seq.status = SequenceStatus.FINISHED
+        seq.drop_pending()  # tokens a step in flight samples past the end are never shown
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)

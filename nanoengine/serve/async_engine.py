@@ -229,12 +229,14 @@ class AsyncEngine:
                 self._publish(None)
                 continue
             try:
+                steps = eng.step_count
                 deltas = eng.step()
             except Exception as e:  # noqa: BLE001 - the server keeps serving; these requests get the error
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._abort_all(EngineStepError(f"the engine failed while stepping: {type(e).__name__}: {e}"))
                 continue
-            self._publish(eng.stats[-1], deltas)
+            # (with overlap a call may launch a step and finish none: nothing to publish yet)
+            self._publish(eng.stats[-1] if eng.step_count > steps else None, deltas)
         self._abort_all(None)
 
     def _handle_commands(self, block: bool) -> None:

@@ -1,17 +1,20 @@
 // nanoengine's CPU kernels (chapter 06): the Python module. One extension built from every csrc/*.cpp by
 // nanoengine/kernels/cpu.py; this file only binds what the family files define (declared in kernels.h).
+// Every kernel lets go of the GIL while it computes (they touch no Python object), so a decode step on the
+// engine's forward thread runs beside the host's Python (overlap scheduling, chapter 06).
 #include <torch/extension.h>
 
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace nanoengine;
-  m.def("paged_decode", &paged_decode, "paged decode attention on CPU (reads K/V in place)");
-  m.def("rms_norm", &rms_norm, "(residual +) RMSNorm: returns [normed] or [normed, residual sum]");
-  m.def("rotary", &rotary, "rotary embedding of [T, heads, D] rows (a copy)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("bf16_pack", &bf16_pack, "lay a weight out for bf16_linear (bf16 blocks of 8 rows, column-major in a block)");
-  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) with a bf16_pack-ed weight, float32 sums (small batches)");
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, "paged decode attention on CPU (reads K/V in place)", nogil);
+  m.def("rms_norm", &rms_norm, "(residual +) RMSNorm: returns [normed] or [normed, residual sum]", nogil);
+  m.def("rotary", &rotary, "rotary embedding of [T, heads, D] rows (a copy)", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("bf16_pack", &bf16_pack, "lay a weight out for bf16_linear (bf16 blocks of 8 rows, column-major in a block)", nogil);
+  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) with a bf16_pack-ed weight, float32 sums (small batches)", nogil);
   pybind11::class_<Linear>(m, "Linear")
       .def(pybind11::init<c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, int64_t>(),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("out_features"));
@@ -21,5 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("input_norm"), pybind11::arg("post_norm"), pybind11::arg("q_norm"), pybind11::arg("k_norm"),
            pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"));
-  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the same kernels, in order)");
+  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the same kernels, in order)", nogil);
 }
