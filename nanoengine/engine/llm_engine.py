@@ -254,10 +254,14 @@ class LLMEngine:
         """Request metrics (first scheduled, first token, finished);
         finished sequences let go of their state."""
         for s in out.scheduled:
+            if not s.is_prefill:  # a decode was scheduled before
+                continue
             req = self.requests.get(s.seq.request_id)  # None: aborted while the step ran
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = scheduled_at
         for seq, _ in sampled:
+            if seq.num_completion_tokens != 1:  # not its first token
+                continue
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = sampled_at

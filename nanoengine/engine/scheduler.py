@@ -92,16 +92,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # 1) running sequences, oldest first: decodes and the rest of chunked prefills
+        # 1) running sequences, oldest first: decodes and the rest of chunked prefills (this loop runs for
+        #    every sequence of every step, so the block arithmetic is written out)
+        size = self.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
             if n == 0 or (seq.num_pending_tokens and self.ends_at_length(seq)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            computed = seq.num_computed_tokens
-            if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
+            if -(-(computed + n) // size) > len(seq.block_table):  # needs a block (most decodes do not)
                 while not bm.can_allocate(seq, n):
                     victim = self.running.pop()  # the newest; always at index >= i
                     out.blocks_freed += self._preempt(victim)
@@ -111,7 +113,7 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
                     break
                 out.blocks_allocated += bm.allocate(seq, n)
-            if bm.fills_a_block(computed, computed + n):  # a block fills up this step
+            if (computed + n) // size > computed // size:  # a block fills up this step
                 bm.cache_full_blocks(seq, computed + n)  # hits for later admissions
             out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
             budget -= n
@@ -190,17 +192,18 @@ class Scheduler:
         sampled sequence that reached its end holds the place of its next token (`Sequence.append_pending`),
         so the next step can be scheduled before this one's tokens are known. Returns the rows (indices into
         `sample_seqs`) that hold a place; `resolve` each one's token once it is known."""
-        bm = self.block_manager
+        bm, size, finished = self.block_manager, self.block_size, SequenceStatus.FINISHED
+        # these two loops run for every sequence of every step: written out flat
         for s in out.scheduled:
             seq = s.seq
-            if not seq.is_finished:  # else: aborted between schedule() and now
+            if seq.status is not finished:  # else: aborted between schedule() and now
                 before = seq.num_computed_tokens
-                seq.num_computed_tokens += s.num_new_tokens
-                if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
+                after = seq.num_computed_tokens = before + s.num_new_tokens
+                if after // size > before // size:  # a block filled (most decode steps fill none)
                     bm.cache_full_blocks(seq)
         taken = []
         for row, seq in enumerate(sample_seqs):
-            if not seq.is_finished and seq.num_computed_tokens == seq.num_tokens:
+            if seq.status is not finished and seq.num_computed_tokens == len(seq.token_ids):
                 seq.append_pending(row)
                 taken.append(row)
         return taken
@@ -210,11 +213,10 @@ class Scheduler:
         is cached, and the stop rules apply. True if that finished the sequence (its blocks are freed and
         added to `out.blocks_freed`). A sequence that finished meanwhile (aborted, or stopped by the token
         before: the step after it was launched before that was known) ignores it."""
-        if seq.is_finished:
+        if seq.status is SequenceStatus.FINISHED:
             return False
         seq.resolve(token)
-        known = seq.num_known_tokens
-        if self.block_manager.fills_a_block(known - 1, known):  # the token completes a block
+        if seq.num_known_tokens % self.block_size == 0:  # the token completes a block
             self.block_manager.cache_full_blocks(seq)
         reason, stop_reason = self._stop_reason(seq, token)
         if reason is None:
@@ -235,14 +237,16 @@ class Scheduler:
         """(finish reason, the stop token id that caused it) after `token` was appended;
         (None, None) = go on."""
         sp = seq.sampling_params
-        past_min = seq.num_completion_tokens > sp.min_tokens
-        if past_min and token in sp.stop_token_ids:
-            return "stop", token
-        if past_min and not sp.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens:
+        known = seq.num_known_tokens
+        completion = known - seq.num_prompt_tokens
+        if completion > sp.min_tokens:
+            if token in sp.stop_token_ids:
+                return "stop", token
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+        if sp.max_tokens is not None and completion >= sp.max_tokens:
             return "length", None
-        if seq.num_known_tokens >= self._max_len:
+        if known >= self._max_len:
             return "length", None
         return None, None
 

@@ -24,15 +24,19 @@ from nanoengine.viz.state import (
     seq_colors,
 )
 from nanoengine.viz.static import plot_batch_composition, plot_block_table, plot_kv_usage, plot_prefix_tree
-from nanoengine.viz.widgets import (
-    BatchCompositionView,
-    BlockTableView,
-    KVUsageView,
-    PrefixTreeView,
-    ScheduleExplorer,
-    StepTimeline,
-    show_timeline,
-)
+
+WIDGETS = ("BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "ScheduleExplorer",
+           "StepTimeline", "show_timeline")
+
+
+def __getattr__(name: str):
+    """The ipywidgets views load on first use, so that what only draws (the benchmark's plots, on a machine
+    without ipywidgets) imports this package without them."""
+    if name in WIDGETS:
+        from nanoengine.viz import widgets
+
+        return getattr(widgets, name)
+    raise AttributeError(f"module 'nanoengine.viz' has no attribute {name!r}")
 
 __all__ = [
     "BatchCompositionState", "BlockCell", "BlockTableState", "KVUsageState", "PrefixTreeState",
