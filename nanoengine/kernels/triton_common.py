@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoengine.kernels.triton_support import is_interpreted
+from nanoengine.kernels.triton_support import fix_old_interpreter, is_interpreted
+
+fix_old_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4
 
 LOG2E = 1.4426950408889634  # softmax scale * LOG2E turns exp(x) into exp2(x)
 

@@ -47,3 +47,36 @@ def is_interpreted(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+def fix_old_interpreter() -> None:
+    """Make an older Triton interpreter (3.6, the lent GPU machine's) run our kernels under NumPy >= 2.4.
+
+    The interpreter holds a scalar (a program id, a loaded length) as a NumPy array of shape [1] and turns it
+    into a Python int, as `range(lo, hi, BLOCK_N)` needs, with `int(array)`; NumPy 2.4 refuses that for
+    arrays of one or more dimensions. Triton 3.8 squeezes the array first; this does the same on versions
+    that do not. Only the interpreter is touched (compiled kernels never call it), and only once; nothing
+    changes with a Triton that has the fix, or without the interpreter.
+    """
+    if not interpreter_requested():
+        return
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "nanoengine_fix", False):
+        return
+    try:
+        fixed = "squeeze" in inspect.getsource(patch)
+    except (OSError, TypeError):
+        fixed = False
+    if fixed:
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.nanoengine_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
