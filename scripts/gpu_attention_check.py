@@ -170,7 +170,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_out")
     ap.add_argument("--smoke", action="store_true", help="tiny, on CPU (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--models", default="tiny-qwen3,smollm2-135m",
+                    help="comma-separated models for the token check (--smoke: the first only)")
     args = ap.parse_args()
+    models = [m for m in args.models.split(",") if m]
     device = "cpu" if args.smoke else "cuda"
     env = {"device": device, "torch": torch.__version__}
     if device == "cuda":
@@ -181,10 +184,10 @@ def main() -> None:
         except Exception as e:
             env[pkg] = f"not available ({type(e).__name__})"
     if args.smoke:
-        check = correctness(device, ["tiny-qwen3"], max_tokens=4)
+        check = correctness(device, models[:1], max_tokens=4)
         bench, peak = speed(device, [1, 2], [64], iters=2)
     else:
-        check = correctness(device, ["tiny-qwen3", "smollm2-135m"], max_tokens=32)
+        check = correctness(device, models, max_tokens=32)
         bench, peak = speed(device, [1, 32, 256], [512, 4096], iters=20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

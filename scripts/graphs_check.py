@@ -180,6 +180,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", default="ops,tokens,decode", help="comma-separated: ops, tokens, decode")
+    ap.add_argument("--models", default="tiny-qwen3,smollm2-135m",
+                    help="comma-separated models for the token check on CUDA (--smoke: tiny-qwen3)")
     ap.add_argument("--smoke", action="store_true",
                     help="on CPU: tokens and decode on tiny-qwen3 through the graphs' stand-in "
                          "(checks this script)")
@@ -194,7 +196,8 @@ def main() -> None:
         result["ops"] = check_ops(device)
         sections.append(f"## compiled vs eager ops ({result['device']})\n\n" + table(result["ops"]))
     if run_engines and "tokens" in want:
-        small = dict(models=("tiny-qwen3",), dtypes=("float32",)) if device.type == "cpu" else {}
+        small = (dict(models=("tiny-qwen3",), dtypes=("float32",)) if device.type == "cpu" else
+                 dict(models=tuple(m for m in args.models.split(",") if m)))
         result["tokens"] = check_tokens(device.type, **small)
         sections.append("## greedy tokens: graphs and compiled ops vs eager\n\n" + table(result["tokens"]))
     if run_engines and "decode" in want:
