@@ -117,7 +117,7 @@ NOCXX=()
 MODELS=tiny-qwen3
 [ "$HAVE_SMOLLM2" = 1 ] && MODELS=tiny-qwen3,smollm2-135m
 if [ "$HAVE_TOKENIZER" != 1 ]; then
-  for p in assets bench graphs attention pytest host-only; do skip "$p" "no Qwen3 tokenizer (see env)"; done
+  for p in assets bench graphs attention pytest host-only ops; do skip "$p" "no Qwen3 tokenizer (see env)"; done
 else
   part "assets tiny-qwen3" 25 $NANO assets tiny-qwen3
   if [ "$MODE" = smoke ]; then

@@ -238,7 +238,8 @@ def summary(work: Path, out: Path, elapsed: int, budget: int, final: bool = Fals
         glance.append(f"benchmark: {glance_bench}")
     elif status_of(parts, "bench"):
         glance.append(f"benchmark: {status_of(parts, 'bench')}")
-    lines += ["**At a glance**", ""] + [f"- {g}" for g in glance] + [""]
+    if glance:
+        lines += ["**At a glance**", ""] + [f"- {g}" for g in glance] + [""]
 
     if tokens:
         lines += ["## Tokens equal? (greedy: backends against torch, graphs and compiled ops against eager)",
