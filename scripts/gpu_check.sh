@@ -13,6 +13,8 @@
 #   pytest      the Triton kernels compiled == the float64 oracle, CUDA == CPU, triton == torch, graphs
 #   host-only   `nanoengine bench --host-only` (host ms per decode step, model stubbed), where bench has it
 #   ops         compiled vs eager per op (scripts/graphs_check.py --only ops)
+# Timeouts (s): env 15, assets 25 + 60, bench 180, graphs 65, attention 45, pytest 60, host-only 25, ops 15:
+# 490 in all, and the budget (450) cuts the last parts short when the first run long.
 # $OUT gets at most six files: summary.md (read this first), log.txt (every part's output), checks.json
 # (graphs, attention and ops results), the benchmark's JSON and plot, host_only.json. summary.md is
 # rewritten after every part, so a run cut short still leaves one.
@@ -133,7 +135,7 @@ else
   fi
   cp "$WORK"/bench/*.json "$WORK"/bench/*.png "$OUT"/ 2>/dev/null
   SMOKE=$([ "$MODE" = smoke ] && echo --smoke)
-  part graphs "$([ "$MODE" = smoke ] && echo 90 || echo 70)" $PY scripts/graphs_check.py --only tokens,decode \
+  part graphs "$([ "$MODE" = smoke ] && echo 90 || echo 65)" $PY scripts/graphs_check.py --only tokens,decode \
     --models "$MODELS" --out "$WORK/graphs" $SMOKE
   part attention "$([ "$MODE" = smoke ] && echo 60 || echo 45)" $PY scripts/gpu_attention_check.py --models "$MODELS" --out "$WORK/attention" $SMOKE
   if [ "$HAVE_PYTEST" != 1 ]; then
@@ -152,9 +154,13 @@ else
     PYTHONPATH="$PYTHONPATH:$WORK/stubs" part pytest 60 "${NOCXX[@]}" $PY -m pytest -v --tb=line -p no:cacheprovider \
       -o addopts= "${TESTS[@]}" "${DESELECT[@]}"
   fi
-  if $NANO bench --help 2>/dev/null | grep -q -- --host-only; then
-    part host-only 20 $NANO bench --host-only --model tiny-qwen3 --out-dir "$WORK/host" \
-      --figures-dir "$WORK/host" --quiet
+  HELP=$($NANO bench --help 2>/dev/null)
+  if grep -q -- --host-only <<< "$HELP"; then
+    STEPS=()
+    grep -q -- --steps <<< "$HELP" && STEPS=(--steps 50)  # of 200 by default: enough for a median
+    part host-only "$([ "$MODE" = smoke ] && echo 60 || echo 25)" $NANO bench --host-only \
+      --model "$([ "$MODE" = smoke ] && echo tiny-qwen3 || echo qwen3-0.6b-shape)" "${STEPS[@]}" \
+      --out-dir "$WORK/host" --figures-dir "$WORK/host" --quiet
     cp "$(ls "$WORK"/host/*.json 2>/dev/null | head -1)" "$OUT/host_only.json" 2>/dev/null
   else
     skip host-only "this checkout's nanoengine bench has no --host-only option yet"

@@ -259,7 +259,7 @@ def summary(work: Path, out: Path, elapsed: int, budget: int, final: bool = Fals
     host_text = log_section(log, "host-only").strip().splitlines()
     if host or (host_text and status_of(parts, "host-only") == "ok"):
         lines += ["## Host work per decode step (bench --host-only, model stubbed)", "", "```"]
-        lines += [ln for ln in host_text if not ln.startswith("$ ")][-20:] + ["```", ""]
+        lines += [ln for ln in host_text if not ln.startswith(("$ ", "[env]"))][-20:] + ["```", ""]
     op = ops_lines(ops)
     if op:
         lines += ["## Compiled vs eager ops", ""] + op + [""]
