@@ -61,12 +61,14 @@ def test_step_spans_cut_a_forward_run_on_the_hosts_thread_out_of_the_launch():
 def test_summary_of_known_runs():
     off, on = overlap_summary(without_overlap(4)), overlap_summary(with_overlap(4))
     assert off == {"steps": 4, "step_ms": pytest.approx(10), "host_ms": pytest.approx(4), "hidden": 0.0,
-                   "gap_ms": pytest.approx(4), "late_rows": 0}
+                   "forward_ms": pytest.approx(6), "gap_ms": pytest.approx(4), "late_rows": 0}
     # all host work lies under a forward, but the first launch (before any forward) and the last finish
     # (after the last): 3 + 1 of 4 x 4 ms
     assert on == {"steps": 4, "step_ms": pytest.approx(10), "host_ms": pytest.approx(4),
-                  "hidden": pytest.approx(12 / 16), "gap_ms": pytest.approx(0.1), "late_rows": 2}
-    assert overlap_summary(with_overlap(4, seen=False))["gap_ms"] is None
+                  "hidden": pytest.approx(12 / 16), "forward_ms": pytest.approx(9.9),
+                  "gap_ms": pytest.approx(0.1), "late_rows": 2}
+    cuda = overlap_summary(with_overlap(4, seen=False))
+    assert cuda["gap_ms"] is None and cuda["forward_ms"] is None and cuda["hidden"] == 0.0
 
 
 def bars(ax) -> list[tuple[str, float, float]]:

@@ -6,7 +6,7 @@
   them). A forward the host's own thread ran (no overlap) is cut out of the launch: the host row holds the
   host's Python only;
 - `overlap_summary(stats)`: a run's decode steps in a few numbers: ms per step, the host's work per step, the
-  part of it done while a forward ran, the forward thread's idle gap between two forwards, the late rows;
+  part of it done while a forward ran, the forward's time and its idle gap between two steps, the late rows;
 - `plot_overlap_timeline(runs)`: the spans of a few decode steps of each run, two rows per run, and beside
   them a zoom on the moment one forward ends.
 Figures are built only from the StepStats records passed in; the engine never imports this module.
@@ -78,8 +78,9 @@ def _decode_pairs(stats: Sequence[StepStats]) -> list[tuple[StepStats, StepStats
 def overlap_summary(stats: Sequence[StepStats]) -> dict[str, float | int | None]:
     """A run's decode steps: `step_ms` (median time from one step's finish to the next's), `host_ms` (median
     host work per step: its launch and finish spans, not the wait), `hidden` (the fraction of all that host
-    work done while some forward ran), `gap_ms` (median idle time of the forward between two decode steps;
-    None without forward spans), `late_rows` (over every step) and `steps` (decode steps)."""
+    work done while some forward ran), `forward_ms` (median forward + draw) and `gap_ms` (median idle time of
+    the forward between two decode steps), both None without forward spans, `late_rows` (over every step) and
+    `steps` (decode steps)."""
     stats = list(stats)
     decodes = [(i, s) for i, s in enumerate(stats) if s.prefill_tokens == 0 and s.decode_tokens]
     pairs = _decode_pairs(stats)
@@ -95,10 +96,13 @@ def overlap_summary(stats: Sequence[StepStats]) -> dict[str, float | int | None]
     hidden = sum(_covered(sp, forwards) for sp in host if sp.step in decode_ids)
     gaps = [b.forward_start - a.forward_end for a, b in pairs
             if a.forward_end is not None and b.forward_start is not None]
+    forward = [s.forward_end - s.forward_start for _, s in decodes
+               if s.forward_start is not None and s.forward_end is not None]
     return {"steps": len(decodes),
             "step_ms": statistics.median(b.time - a.time for a, b in pairs) * 1e3 if pairs else float("nan"),
             "host_ms": statistics.median(per_step.values()) * 1e3 if per_step else float("nan"),
             "hidden": hidden / total if total else 0.0,
+            "forward_ms": statistics.median(forward) * 1e3 if forward else None,
             "gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
             "late_rows": sum(s.late_rows for s in stats)}
 
