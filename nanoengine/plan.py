@@ -23,7 +23,6 @@ triton is installed (and on CPU, whether its interpreter is on), and whether fla
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -172,22 +171,15 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
 
 
 def pick_async_scheduling(want: bool | None, device: str, trace: bool) -> bool:
-    """Overlap scheduling where it pays: on CUDA, where kernels run while the host goes on; on CPU, where the
-    forward runs on the executor's thread (torch and the C++ kernels let go of the GIL while they compute)
-    beside the host's Python, only when torch's threads leave a core for that Python. When they take every
-    core, the host's work would slow the forward's whole thread team by as much as it hides. Off by default
-    with trace=True: a traced step's snapshot of the block tables is then taken right after it (with overlap
-    it is taken when the step finishes, after the next one has been scheduled)."""
-    import torch
-
+    """Overlap scheduling where it pays: on CUDA, where kernels run while the host goes on. Not by default on
+    CPU, where the forward would run on the executor's thread beside the host's Python: there a decode step
+    is almost all forward (tiny-qwen3's LM head alone outweighs the host's work 100 to 1 at batch 256), and
+    the measured step time moved by its noise (chapter 06). Off by default with trace=True: a traced step's
+    snapshot of the block tables is then taken right after it (with overlap it is taken when the step
+    finishes, after the next one has been scheduled)."""
     if want is not None:
         return want
-    if trace:
-        return False
-    if device == "cuda":
-        return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return torch.get_num_threads() < cores
+    return device == "cuda" and not trace
 
 
 def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:

@@ -20,6 +20,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from plans import plan_of
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.bench.host import StubExecutor, stub_engine
@@ -265,3 +266,16 @@ def test_with_sampled_ids_reads_the_pending_ids_from_the_last_tokens():
     with pytest.raises(RuntimeError, match="order they were built"):
         runner.with_sampled_ids(inp, torch.tensor([40, 41]))
     assert dataclasses.replace(inp, prev_sampled=0).prev_sampled == 0
+
+
+def test_async_scheduling_defaults_to_where_it_pays(monkeypatch):
+    """On by default on CUDA (kernels run while the host goes on), off on CPU (a step is almost all forward
+    there) and with trace=True; what is asked for is kept."""
+    assert plan_of(device="cpu").async_scheduling is False
+    assert plan_of(device="cpu", async_scheduling=True).async_scheduling is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = dict(device="cuda", attention_backend="torch", enforce_eager=True)
+    assert plan_of(**cuda).async_scheduling is True
+    assert plan_of(**cuda, trace=True).async_scheduling is False
+    assert plan_of(**cuda, async_scheduling=False).async_scheduling is False

@@ -74,8 +74,12 @@ class SampledTokens:
 class LaunchedStep:
     """A step running on the executor's thread: its SampledTokens when it is done."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, model_input: ModelInput) -> None:
         self.future = future
+        # held here so that the step's inputs are freed on the host's thread: freed on the forward's thread
+        # when the pool drops the work item, they made it wait for the GIL until the host blocked, and the
+        # next forward started late (views of the host buffers, which numpy arrays share)
+        self.model_input = model_input
 
     def get(self) -> list[int]:
         return self.future.result().get()  # raises what the step raised
@@ -115,7 +119,7 @@ class Executor(ABC):
         """Run one step and draw its tokens from rank 0's logits (`draw`: logits -> token ids [num_sampled],
         on the device), without waiting where the device or the thread allows; `.get()` waits for them."""
         if self.thread is not None:
-            return LaunchedStep(self.thread.submit(self.run_and_draw, model_input, draw))
+            return LaunchedStep(self.thread.submit(self.run_and_draw, model_input, draw), model_input)
         return self.run_and_draw(model_input, draw)
 
     @torch.inference_mode()
