@@ -85,6 +85,25 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m["content"], str):
             raise InvalidTypeError(f"message {i}'s content must be a string, "
                                    f"got {type(m['content']).__name__}")
+        check_utf8(m["content"], f"content of message {i}")
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Refuse text the tokenizer cannot take, naming where: a lone surrogate (say "\ud800", half of a UTF-16
+    pair) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidValueError(f"the {what} cannot be encoded as UTF-8: character {text[e.start]!r} at "
+                                f"position {e.start} is a lone surrogate (half of a UTF-16 pair); remove it, "
+                                "or decode the source text with errors='replace'") from None
+
+
+def encode_text(tokenizer: Any, text: str, what: str = "prompt", **kwargs: Any) -> list[int]:
+    """Token ids of `text`, checked first (check_utf8). The engine checks lengths against max_model_len
+    itself, so the tokenizer's own "sequence length is longer than the maximum" warning is not shown."""
+    check_utf8(text, what)
+    return tokenizer.encode(text, verbose=False, **kwargs)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
@@ -93,7 +112,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> 
         raise InvalidValueError("this model's tokenizer has no chat template; "
                                 "use generate() with plain prompts")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text, "conversation", add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

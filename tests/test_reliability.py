@@ -13,11 +13,12 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoengine import LLM, SamplingParams, assets
-from nanoengine.errors import CheckpointError, NanoengineError
+from nanoengine.errors import CheckpointError, InvalidValueError, NanoengineError
 
 pytestmark = pytest.mark.xdist_group("reliability")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -119,6 +120,13 @@ def broken_copy(tmp_path, how: str):
         weights.write_bytes(b"\xff" * 64 + weights.read_bytes()[64:])
     elif how == "truncated":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "int_tensor":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        name = "model.layers.0.self_attn.o_proj.weight"
+        tensors[name] = tensors[name].to(torch.int32)
+        save_file(tensors, weights)
     elif how in ("missing_tensor", "wrong_shape"):
         from safetensors.torch import load_file, save_file
 
@@ -149,6 +157,8 @@ def broken_copy(tmp_path, how: str):
     ("missing_tensor", r"missing \['layers\.1\.mlp\.down_proj\.weight'\]"),
     ("wrong_shape", r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight' does not fit .* \(64, 127\)"),
     ("no_weights", r"no \*\.safetensors files in"),
+    ("int_tensor", r"tensor 'model\.layers\.0\.self_attn\.o_proj\.weight' is stored as I32, but the model's "
+                   r"'layers\.0\.self_attn\.o_proj\.weight' holds floating-point weights"),
     ("architecture", r"unsupported architecture \['MambaForCausalLM'\]"),
     ("no_tokenizer", r"its tokenizer could not be loaded"),
     ("small_vocab", r"tokenizer has \d+ tokens but the model's vocab_size is 1000"),
@@ -314,3 +324,20 @@ def test_a_seed_gives_the_same_tokens_alone_batched_chunked_and_repeated():
         again = llm.generate({"prompt_token_ids": ids[0]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
         results += [alone, batch[0].outputs[0].token_ids, again]
     assert all(r == results[0] for r in results), results
+
+
+def test_text_that_cannot_be_encoded_is_refused_naming_where(llm):
+    """A lone surrogate has no UTF-8 form: refused with the prompt's (or message's) position, not the
+    tokenizer's own TypeError; nothing is queued."""
+    with pytest.raises(InvalidValueError, match=r"the prompt cannot be encoded .* '\\ud800' at position 3"):
+        llm.generate("abc\ud800", use_tqdm=False)
+    with pytest.raises(InvalidValueError, match=r"content of message 1 .* '\\udfff' at position 0"):
+        llm.chat([{"role": "system", "content": "hi"}, {"role": "user", "content": "\udfff?"}],
+                 use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_over_long_prompt_is_refused_without_the_tokenizers_own_warning(llm, capfd):
+    with pytest.raises(InvalidValueError, match="exceeds max_model_len"):
+        llm.generate("hello " * 200_000, use_tqdm=False)
+    assert "Token indices sequence length" not in capfd.readouterr().err

@@ -16,7 +16,7 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(map(chr, ids))
 
-    def encode(self, text):
+    def encode(self, text, **kwargs):  # (as a Hugging Face tokenizer, e.g. verbose=False)
         return [ord(c) for c in text]
 
 

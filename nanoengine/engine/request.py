@@ -16,7 +16,7 @@ from nanoengine.engine.sequence import Sequence
 from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.tokenizer import IncrementalDetokenizer
+from nanoengine.tokenizer import IncrementalDetokenizer, encode_text
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -41,7 +41,7 @@ def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | No
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidValueError("empty prompt: give at least one character or token id")
-        return prompt, tokenizer.encode(prompt)
+        return prompt, encode_text(tokenizer, prompt)
     if isinstance(prompt, (list, tuple)):
         return None, check_token_ids(prompt, vocab_size)
     raise InvalidTypeError("a prompt is a string, a list of token ids or a dict; "

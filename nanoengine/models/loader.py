@@ -61,6 +61,12 @@ def load_file(model: nn.Module, file: Path, params: dict, packed: dict, loaded: 
                 unexpected.append(ckpt_name)
                 continue
             tensor = f.get_slice(ckpt_name)  # lazy: the loader reads its rows or columns only
+            stored = tensor.get_dtype()  # safetensors' name: "BF16", "F32", "I64", ...
+            if param.dtype.is_floating_point and not stored.startswith(("F", "BF")):
+                raise CheckpointError(f"checkpoint {file}: tensor {ckpt_name!r} is stored as {stored}, but "
+                                      f"the model's {name!r} holds floating-point weights; the file was "
+                                      "written wrongly (a quantized or corrupted export?): convert the "
+                                      "checkpoint again")
             try:
                 with torch.no_grad():
                     if shard is None:
