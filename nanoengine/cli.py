@@ -116,7 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
-                 engine_options=engine_options(args))
+                 engine_options=engine_options(args), api_key=args.api_key,
+                 protect_metrics=args.protect_metrics)
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
     # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
@@ -157,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--trace", action="store_true", help="record the step trace, served at GET /v1/trace")
+    s.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY") or None,
+                   help="every /v1 request must send 'Authorization: Bearer KEY' (default: "
+                        "$NANOENGINE_API_KEY; none: open to whoever reaches the port)")
+    s.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

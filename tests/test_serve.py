@@ -332,3 +332,40 @@ def test_bench_url_refuses_what_it_would_ignore(capsys):
     assert "--threads" in capsys.readouterr().err
     assert cli.main(["bench", "--online", "--url", "127.0.0.1:9"]) == 2
     assert "http" in capsys.readouterr().err
+
+
+def test_an_api_key_guards_every_v1_route_and_health_stays_open():
+    """With api_key, /v1/* (and /metrics with protect_metrics) answer 401 in OpenAI's format without the
+    right `Authorization: Bearer` header (before the body is looked at), and serve with it."""
+    from nanoengine.serve.protocol import ProtocolError
+    from nanoengine.serve.server import Server as InProcess
+    from nanoengine.serve.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.7") and not is_loopback("example.org")
+    with pytest.raises(ProtocolError, match="protect_metrics needs an api_key"):
+        InProcess(MODEL, port=0, protect_metrics=True)
+    with pytest.raises(ProtocolError, match="api_key must be a non-empty string"):
+        InProcess(MODEL, port=0, api_key=" ")
+    server = InProcess(MODEL, port=0, log_level="warning", api_key="sekrit", protect_metrics=True,
+                       engine_options={"dtype": "float32", "num_kvcache_blocks": 64, "max_model_len": 256})
+    assert server.warnings == []  # loopback
+    with server:
+        base = server.url.removesuffix("/v1")
+        good = {"Authorization": "Bearer sekrit"}
+        assert httpx.get(f"{base}/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            for method, path, body in (("GET", "/v1/models", None), ("GET", "/metrics", None),
+                                       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}),
+                                       ("POST", "/v1/chat/completions", {"bad": "body"})):
+                r = httpx.request(method, base + path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                err = r.json()["error"]
+                assert err["code"] == 401 and "API key" in err["message"], err
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert httpx.get(f"{base}/v1/models", headers=good).status_code == 200
+        assert httpx.get(f"{base}/metrics", headers=good).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0, timeout=60)
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2

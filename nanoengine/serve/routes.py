@@ -15,6 +15,10 @@ chat's first chunk, the assistant's role). Every error is OpenAI's `{"error": {"
 "code"}}`: 400 for a bad request (unknown model, a bad field, a prompt over max_model_len), naming the field;
 the server keeps serving after it. A client that disconnects mid-request has its request aborted and its KV
 blocks freed within one engine step.
+
+With an API key (`--api-key`, or NANOENGINE_API_KEY), every /v1 route (and /metrics with --protect-metrics)
+needs `Authorization: Bearer <key>`, compared in constant time; without it the answer is 401 in OpenAI's
+error format, before the body is looked at. /health stays open, for the supervisor that probes it.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -70,14 +75,32 @@ Event = Delta | ChoiceDone
 ChunkOf = Callable[[list[Any], dict | None], BaseModel]  # (choices, usage or None) -> one chunk
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The FastAPI app for one AsyncEngine (started and stopped by the app's lifespan)."""
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              protect_metrics: bool = False) -> FastAPI:
+    """The FastAPI app for one AsyncEngine (started and stopped by the app's lifespan); with `api_key`, the
+    /v1 routes (and /metrics with protect_metrics) need it."""
     max_model_len = engine.engine.plan.max_model_len
     app = FastAPI(title="nanoengine", lifespan=_lifespan(engine))
     add_error_handlers(app)
-    add_info_routes(app, engine, model_name, max_model_len)
-    add_completion_routes(app, engine, model_name)
+    auth = needs_key(api_key)
+    add_info_routes(app, engine, model_name, max_model_len, auth, auth if protect_metrics else [])
+    add_completion_routes(app, engine, model_name, auth)
     return app
+
+
+def needs_key(api_key: str | None) -> list:
+    """The FastAPI dependencies of a route that needs the key: none without one."""
+    if not api_key:
+        return []
+    want = f"Bearer {api_key}".encode()
+
+    async def check_key(request: Request) -> None:
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, want):  # constant time: the answer's timing does not leak the key
+            raise StarletteHTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                              "with the key this server was started with (--api-key)")
+
+    return [Depends(check_key)]
 
 
 def _lifespan(engine: AsyncEngine) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -147,8 +170,11 @@ async def on_engine_error(_: Request, exc: EngineStepError) -> JSONResponse:
 
 
 async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail),
-                          kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+    response = error_response(exc.status_code, str(exc.detail),
+                              kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+    if exc.status_code == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -161,8 +187,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the routes
-def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
-    """GET /health, /v1/models, /metrics, /v1/trace."""
+def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_model_len: int, auth: list,
+                    metrics_auth: list) -> None:
+    """GET /health (always open), /v1/models, /metrics, /v1/trace."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -171,15 +198,15 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_mode
                                   kind="service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=metrics_auth)
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/trace")
+    @app.get("/v1/trace", dependencies=auth)
     async def trace(since: int = 0) -> Response:
         if engine.trace is None:
             return error_response(404, "this server records no trace; start it with --trace",
@@ -189,10 +216,10 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_mode
         return JSONResponse(await engine.call(lambda _: trace_to_dict(engine.trace, since)))
 
 
-def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str) -> None:
+def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, auth: list) -> None:
     """POST /v1/completions and /v1/chat/completions: submit, then SSE chunks or one JSON reply."""
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         params = body.sampling_params(COMPLETIONS_MAX_TOKENS)
@@ -206,7 +233,7 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str) ->
         await wait(engine, stream, request)
         return JSONResponse(reply(completion_choices(stream, params.n), stream.usage).model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         conversation = body.conversation()

@@ -9,6 +9,7 @@ are aborted (their streams end with finish_reason "abort"), and the process exit
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import socket
 import sys
@@ -40,6 +41,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host` (127.0.0.1, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 class Server:
     """The whole server in this process: the model's engine, its thread, the app, uvicorn on a bound socket.
     `run()` serves in the foreground until SIGINT/SIGTERM (`nanoengine serve`); `start()` serves from a
@@ -51,7 +62,10 @@ class Server:
 
     def __init__(self, model: str, host: str = "127.0.0.1", port: int = 8000, *,
                  served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
-                 log_level: str = "info", engine_options: dict[str, Any] | None = None) -> None:
+                 log_level: str = "info", engine_options: dict[str, Any] | None = None,
+                 api_key: str | None = None, protect_metrics: bool = False) -> None:
+        """api_key: the key every /v1 request must bear (`Authorization: Bearer <key>`; /metrics too with
+        protect_metrics); None: no key, and a warning when the address is reachable from other machines."""
         from nanoengine.launch import build_engine
         from nanoengine.serve.metrics import ServerMetrics
 
@@ -59,6 +73,14 @@ class Server:
                 or not shutdown_grace_s >= 0):
             raise ProtocolError(f"shutdown_grace_s must be >= 0 seconds, got {shutdown_grace_s!r}",
                                 "shutdown_grace")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
+        if protect_metrics and api_key is None:
+            raise ProtocolError("protect_metrics needs an api_key to protect /metrics with",
+                                "protect_metrics")
+        self.warnings = [] if api_key or is_loopback(host) else [
+            f"serving on {host}, reachable from other machines, without an API key: anyone who can reach "
+            "the port can use the model; pass --api-key (or set NANOENGINE_API_KEY)"]
         self.sock = _bind(host, port)
         try:
             self.llm_engine = build_engine(model, **(engine_options or {}))
@@ -68,7 +90,8 @@ class Server:
         prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
         self.name = served_model_name or str(model)
         self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace)
-        config = uvicorn.Config(build_app(self.engine, self.name), log_level=log_level, access_log=False,
+        app = build_app(self.engine, self.name, api_key, protect_metrics)
+        config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
         self.grace_s = shutdown_grace_s
         self.uvicorn = _Uvicorn(config, self.engine, shutdown_grace_s)
@@ -129,6 +152,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any)
     options: those of Server."""
     server = Server(model, host, port, **options)
     print(f"nanoengine serve: {server.describe()}", flush=True)
+    for warning in server.warnings:
+        print(f"nanoengine serve: warning: {warning}", file=sys.stderr, flush=True)
     code = server.run()
     print("nanoengine serve: stopped", file=sys.stderr, flush=True)
     return code
