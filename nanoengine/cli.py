@@ -8,6 +8,7 @@ import os
 import sys
 
 from nanoengine import assets  # standard library only: keeps `nanoengine --help` fast
+from nanoengine.serve import DEFAULT_MAX_QUEUED_SEQS  # a constant: no server imports
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -117,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
                  engine_options=engine_options(args), api_key=args.api_key,
-                 protect_metrics=args.protect_metrics)
+                 protect_metrics=args.protect_metrics, max_queued_seqs=args.max_queued_seqs or None)
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
     # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="every /v1 request must send 'Authorization: Bearer KEY' (default: "
                         "$NANOENGINE_API_KEY; none: open to whoever reaches the port)")
     s.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
+    s.add_argument("--max-queued-seqs", type=int, default=DEFAULT_MAX_QUEUED_SEQS,
+                   help="the most sequences waiting to start (a request of n counts n); beyond it a request "
+                        "gets 503 with Retry-After (0: no limit)")
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -369,3 +369,39 @@ def test_an_api_key_guards_every_v1_route_and_health_stays_open():
             openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0, timeout=60)
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_full_queue_refuses_with_503_and_retry_after_and_the_server_keeps_serving():
+    """max_queued_seqs=2 with one sequence running at a time: while one request runs, two more wait and
+    the next is refused at once (503, Retry-After), queuing nothing; afterwards the server serves again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nanoengine.serve.protocol import ProtocolError
+    from nanoengine.serve.server import Server as InProcess
+
+    with pytest.raises(ProtocolError, match="max_queued_seqs must be an integer >= 1"):
+        InProcess(MODEL, port=0, max_queued_seqs=0)
+    server = InProcess(MODEL, port=0, log_level="warning", max_queued_seqs=2,
+                       engine_options={"dtype": "float32", "num_kvcache_blocks": 128, "max_model_len": 1024,
+                                       "max_num_seqs": 1})
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    long = {**body, "max_tokens": 1000, "stream": True}  # seconds of decoding: the others wait meanwhile
+    with server:
+        base = server.url.removesuffix("/v1")
+        url = f"{base}/v1/completions"
+        with httpx.stream("POST", url, json=long, timeout=60) as first:
+            lines = first.iter_lines()  # (kept: a dropped iterator closes the stream, and aborts it)
+            next(lines)  # it runs: the one sequence at a time
+            with ThreadPoolExecutor(2) as pool:
+                waiting = [pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+                           for _ in range(2)]
+                deadline = time.monotonic() + 30
+                while len(server.llm_engine.scheduler.waiting) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                refused = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+                assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+                assert "--max-queued-seqs 2" in refused.json()["error"]["message"]
+                assert [f.result().status_code for f in waiting] == [200, 200]
+            assert sum(1 for _ in lines) > 1
+        again = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4

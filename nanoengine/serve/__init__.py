@@ -16,3 +16,5 @@
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     print(client.completions.create(model="tiny-qwen3", prompt="Once upon", max_tokens=8).choices[0].text)
 """
+
+DEFAULT_MAX_QUEUED_SEQS = 4096  # sequences waiting to start before a request gets 503 with Retry-After

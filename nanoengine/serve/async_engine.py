@@ -42,7 +42,12 @@ MAX_TRACE_STEPS = 5_000  # a traced server stops recording after this many steps
 
 
 class ServerBusyError(RuntimeError):
-    """The server is shutting down, or its engine thread is gone (HTTP 503)."""
+    """The server is shutting down, or its engine thread is gone, or its queue is full (HTTP 503; with
+    `retry_after` seconds, a Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineStepError(RuntimeError):
@@ -126,8 +131,13 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, trace: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, trace: bool = False,
+                 max_queued_seqs: int | None = None) -> None:
+        """max_queued_seqs: the most sequences waiting to be scheduled (a request of n completions counts n);
+        a request that would go beyond it is refused (503 with Retry-After) instead of queued. None: no
+        limit."""
         self.engine = engine
+        self.max_queued_seqs = max_queued_seqs
         self.metrics = metrics or ServerMetrics(engine.config.model)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
@@ -273,6 +283,12 @@ class AsyncEngine:
             reqs = [eng.make_request(p, params, f"{stream.request_id}-{i}") for i, p in enumerate(prompts)]
         except Exception as e:  # noqa: BLE001 - the engine's error (bad prompt, too long) goes to the handler
             self._resolve(stream.accepted, error=e)
+            return
+        waiting, new = len(eng.scheduler.waiting), len(reqs) * params.n
+        if self.max_queued_seqs is not None and waiting + new > self.max_queued_seqs:
+            self._resolve(stream.accepted, error=ServerBusyError(
+                f"the queue is full: {waiting} sequences wait and this request adds {new}, beyond the "
+                f"server's --max-queued-seqs {self.max_queued_seqs}; retry later", retry_after=1))
             return
         for i, req in enumerate(reqs):
             req.metrics.arrival_time = arrival  # when the HTTP request came in, not when this thread saw it

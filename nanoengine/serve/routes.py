@@ -162,7 +162,10 @@ async def on_bad_value(_: Request, exc: NanoengineError) -> JSONResponse:
 
 
 async def on_busy(_: Request, exc: ServerBusyError) -> JSONResponse:
-    return error_response(503, str(exc), kind="service_unavailable")
+    response = error_response(503, str(exc), kind="service_unavailable")
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 async def on_engine_error(_: Request, exc: EngineStepError) -> JSONResponse:

@@ -21,6 +21,7 @@ from typing import Any
 import prometheus_client
 import uvicorn
 
+from nanoengine.serve import DEFAULT_MAX_QUEUED_SEQS
 from nanoengine.serve.async_engine import AsyncEngine
 from nanoengine.serve.protocol import ProtocolError
 from nanoengine.serve.routes import build_app
@@ -63,9 +64,12 @@ class Server:
     def __init__(self, model: str, host: str = "127.0.0.1", port: int = 8000, *,
                  served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
                  log_level: str = "info", engine_options: dict[str, Any] | None = None,
-                 api_key: str | None = None, protect_metrics: bool = False) -> None:
+                 api_key: str | None = None, protect_metrics: bool = False,
+                 max_queued_seqs: int | None = DEFAULT_MAX_QUEUED_SEQS) -> None:
         """api_key: the key every /v1 request must bear (`Authorization: Bearer <key>`; /metrics too with
-        protect_metrics); None: no key, and a warning when the address is reachable from other machines."""
+        protect_metrics); None: no key, and a warning when the address is reachable from other machines.
+        max_queued_seqs: the most sequences waiting to start (503 with Retry-After beyond it; None: no
+        limit)."""
         from nanoengine.launch import build_engine
         from nanoengine.serve.metrics import ServerMetrics
 
@@ -75,6 +79,10 @@ class Server:
                                 "shutdown_grace")
         if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
             raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
+        if max_queued_seqs is not None and (isinstance(max_queued_seqs, bool)
+                                            or not isinstance(max_queued_seqs, int) or max_queued_seqs < 1):
+            raise ProtocolError(f"max_queued_seqs must be an integer >= 1 (or None for no limit), got "
+                                f"{max_queued_seqs!r}", "max_queued_seqs")
         if protect_metrics and api_key is None:
             raise ProtocolError("protect_metrics needs an api_key to protect /metrics with",
                                 "protect_metrics")
@@ -89,7 +97,8 @@ class Server:
             raise
         prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
         self.name = served_model_name or str(model)
-        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace)
+        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace,
+                                  max_queued_seqs=max_queued_seqs)
         app = build_app(self.engine, self.name, api_key, protect_metrics)
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
