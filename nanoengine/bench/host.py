@@ -103,11 +103,15 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
     server)."""
     rng = random.Random(seed)
     prompt_lens = [rng.randint(100, 1024) for _ in range(batch)]
-    max_len = max(prompt_lens) + steps + 8
+    budget = 4096
+    # the first prompts decode while the last ones are prefilled: room for that, so that every measured step
+    # runs the whole batch
+    max_tokens = steps + 4 + -(-sum(prompt_lens) // budget)
+    max_len = max(prompt_lens) + max_tokens
     eng = stub_engine(model, async_scheduling, batch * -(-max_len // 16) + 16, seed, max_num_seqs=batch,
-                      max_num_batched_tokens=max(4096, max_len), block_size=16)
+                      max_num_batched_tokens=max(budget, max_len), block_size=16)
     vocab = min(eng.plan.hf_config.vocab_size, 10_000)
-    params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
     for n in prompt_lens:
         eng.add(eng.make_request([rng.randrange(vocab) for _ in range(n)], params, final_only=not streaming))
     while any(s.is_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting)):
@@ -122,8 +126,8 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
         walls.append(time.perf_counter() - t)
     stats = [s for s in eng.stats if s.prefill_tokens == 0 and s.num_seqs == batch]
     eng.close()
-    if not stats:
-        raise RuntimeError(f"no decode step at batch {batch} was measured")
+    if len(stats) < steps - 1:  # (with overlap the last one is still in flight)
+        raise RuntimeError(f"only {len(stats)} of {steps} measured steps decoded the whole batch of {batch}")
 
     def ms(values: list[float]) -> float:
         return 1e3 * statistics.fmean(values)

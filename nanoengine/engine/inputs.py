@@ -235,7 +235,8 @@ class InputBuilder:
         if self.copy_stream is None:
             return inp.to(self.device)
         step_stream = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(step_stream)  # what ran before on the step's stream comes first
+        # (the copies read this set's host buffers, free since its event, into new device memory: they need
+        # not wait for the step in flight, and run beside its forward)
         with torch.cuda.stream(self.copy_stream):
             inp = inp.to(self.device, non_blocking=True)
             self.host.copied.record()

@@ -92,9 +92,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # 1) running sequences, oldest first: decodes and the rest of chunked prefills (this loop runs for
-        #    every sequence of every step, so the block arithmetic is written out)
-        size = self.block_size
+        # 1) running sequences, oldest first: decodes and the rest of chunked prefills
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -103,7 +101,7 @@ class Scheduler:
             if n == 0 or (seq.num_pending_tokens and self.ends_at_length(seq)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            if -(-(computed + n) // size) > len(seq.block_table):  # needs a block (most decodes do not)
+            if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
                 while not bm.can_allocate(seq, n):
                     victim = self.running.pop()  # the newest; always at index >= i
                     out.blocks_freed += self._preempt(victim)
@@ -113,7 +111,7 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
                     break
                 out.blocks_allocated += bm.allocate(seq, n)
-            if (computed + n) // size > computed // size:  # a block fills up this step
+            if bm.fills_a_block(computed, computed + n):  # a block fills up this step
                 bm.cache_full_blocks(seq, computed + n)  # hits for later admissions
             out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
             budget -= n
@@ -192,14 +190,13 @@ class Scheduler:
         sampled sequence that reached its end holds the place of its next token (`Sequence.append_pending`),
         so the next step can be scheduled before this one's tokens are known. Returns the rows (indices into
         `sample_seqs`) that hold a place; `resolve` each one's token once it is known."""
-        bm, size, finished = self.block_manager, self.block_size, SequenceStatus.FINISHED
-        # these two loops run for every sequence of every step: written out flat
+        bm, finished = self.block_manager, SequenceStatus.FINISHED
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not finished:  # else: aborted between schedule() and now
                 before = seq.num_computed_tokens
-                after = seq.num_computed_tokens = before + s.num_new_tokens
-                if after // size > before // size:  # a block filled (most decode steps fill none)
+                seq.num_computed_tokens += s.num_new_tokens
+                if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
                     bm.cache_full_blocks(seq)
         taken = []
         for row, seq in enumerate(sample_seqs):
@@ -216,7 +213,8 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return False
         seq.resolve(token)
-        if seq.num_known_tokens % self.block_size == 0:  # the token completes a block
+        known = seq.num_known_tokens
+        if self.block_manager.fills_a_block(known - 1, known):  # the token completes a block
             self.block_manager.cache_full_blocks(seq)
         reason, stop_reason = self._stop_reason(seq, token)
         if reason is None:
