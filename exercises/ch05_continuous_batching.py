@@ -61,7 +61,8 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
          `num_cached_tokens = hits` and `num_computed_tokens = min(hits, seq.num_tokens - 1)`: the last token
          is always computed, since its logits give the next token;
        - n = min(tokens not yet computed, budget); if the blocks for n tokens are not free, undo the hit
-         (`block_manager.free(seq)`, computed and cached back to 0) and try the NEXT waiting sequence;
+         (`block_manager.free(seq)`, computed and cached back to 0) and stop admitting for this step
+         (first come, first served: nothing overtakes a request that does not fit, as in vLLM v1);
        - otherwise note `is_prefill = seq.is_prefill`, allocate, `cache_full_blocks(seq, computed + n)`,
          move it from waiting to the end of running (status RUNNING), schedule it, append (seq_id, hits)
          to `out.cache_hits`, take n from the budget.

@@ -67,6 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from nanoengine.bench import online
 
         return online.main(args)
+    if args.backlog and not args.host_only:
+        raise ValueError("--backlog measures the host's work with the model stubbed; add --host-only")
     if args.host_only:
         from nanoengine.bench import host
 
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the host's ms per decode step at batch 1/32/256 with the model stubbed, overlap "
                         "scheduling off and on, split by phase (nanoengine/bench/host.py)")
     b.add_argument("--steps", type=int, default=200, help="decode steps measured per batch (--host-only)")
+    b.add_argument("--backlog", action="store_true",
+                   help="with --host-only: ms per step of 64 decodes on a full KV pool with 0, 1,000 and "
+                        "10,000 requests waiting, under each scheduling policy (at most 100 steps)")
     b.add_argument("--workload", default="cpu-small",
                    help="nano-vllm (nano-vllm's bench.py: 256 requests, lengths 100..1024) | cpu-small "
                         "(32 requests, 64..512) | shared-prefix (64 requests on one 1024-token prefix) | "

@@ -21,6 +21,9 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
+# how admission treats a waiting request whose blocks do not fit (chapter 05): "fcfs" stops there, as vLLM v1
+# does; "skip_ahead" tries up to SKIP_AHEAD_LIMIT later ones per step (they may fit; the first may starve)
+SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
 
 
 @dataclass
@@ -32,6 +35,7 @@ class EngineConfig:
     block_size: int | None = None
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"  # see SCHEDULING_POLICIES
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kvcache_blocks: int | None = None
@@ -91,6 +95,8 @@ class EngineConfig:
               f"block_size must be a positive integer, got {self.block_size!r}")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.scheduling_policy in SCHEDULING_POLICIES,
+              f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
               "num_kvcache_blocks must be >= 1 (or None to size the cache from memory)")

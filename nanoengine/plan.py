@@ -85,6 +85,7 @@ class EnginePlan:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    scheduling_policy: str  # "fcfs" or "skip_ahead" (engine/scheduler.py)
     enable_prefix_caching: bool
     kv_cache: FixedKVBlocks | GPUMemoryShare
     kv_bytes_per_block: int  # one block's K and V on one rank (its share of the KV heads)
@@ -160,8 +161,8 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
         attention_backend=backend, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        enable_prefix_caching=config.enable_prefix_caching, kv_cache=kv_cache,
-        kv_bytes_per_block=bytes_per_block,
+        scheduling_policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
+        kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
         bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config),
         tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,

@@ -154,8 +154,8 @@ def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, i
     - it computes from there, except that its last prompt token is always computed, even when every block
       hit: that token's logits give the first output token;
     - it computes as many of its remaining tokens as the budget allows;
-    - a sequence whose new blocks do not fit is skipped and leaves nothing behind (no blocks held, its counts
-      0); a later one may still fit;
+    - a sequence whose new blocks do not fit leaves nothing behind (no blocks held, its counts 0), and
+      admission stops there: first come, first served, so no later prompt overtakes it;
     - the blocks a sequence fills this step are in the cache before the next one is admitted
       (bm.cache_full_blocks), so an identical prompt in the same step shares them.
     Return [(seq, num_new_tokens)] for the admitted sequences, in order; leave seq.num_computed_tokens at
@@ -173,7 +173,7 @@ def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, i
         if not bm.can_allocate(seq, n):
             bm.free(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
-            continue
+            break
         bm.allocate(seq, n)
         bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         admitted.append((seq, n))

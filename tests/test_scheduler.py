@@ -140,8 +140,16 @@ def test_current_seq_preempts_itself_when_it_is_the_newest():
     sched.block_manager.check_invariants([a, b])
 
 
-def test_no_head_of_line_blocking():
-    sched = make(num_blocks=8, block_size=4, budget=64)
+def make_policy(policy, **kw):
+    sched = make(**kw)
+    return Scheduler(sched.block_manager, {EOS}, max_num_batched_tokens=sched.max_num_batched_tokens,
+                     max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "skip_ahead"])
+def test_a_waiting_request_that_does_not_fit(policy):
+    """fcfs: admission stops at it (nothing overtakes it); skip_ahead: a later one that fits is admitted."""
+    sched = make_policy(policy, num_blocks=8, block_size=4, budget=64)
     a = seq_of(sched, range(12), max_tokens=4)  # holds 4 blocks once decoding
     sched.add(a)
     step(sched)
@@ -150,13 +158,42 @@ def test_no_head_of_line_blocking():
     sched.add(big)
     sched.add(small)
     out, _ = step(sched)
-    assert plan(out) == [(a.seq_id, 1, False), (small.seq_id, 6, True)]
-    assert list(sched.waiting) == [big] and big.block_table == [] and big.num_computed_tokens == 0
+    if policy == "fcfs":
+        assert plan(out) == [(a.seq_id, 1, False)] and list(sched.waiting) == [big, small]
+    else:
+        assert plan(out) == [(a.seq_id, 1, False), (small.seq_id, 6, True)] and list(sched.waiting) == [big]
+    assert big.block_table == [] and big.num_computed_tokens == 0
     for _ in range(50):
         if not sched.has_unfinished():
             break
         step(sched)
-    assert big.is_finished and sched.block_manager.num_free_blocks == 8
+    assert big.is_finished and small.is_finished and sched.block_manager.num_free_blocks == 8
+
+
+def test_admission_work_is_bounded_by_what_it_admits(monkeypatch):
+    """A long queue that cannot start costs a step almost nothing: fcfs tries one waiting prompt, skip_ahead
+    at most SKIP_AHEAD_LIMIT + 1, and a waiting prompt's blocks are hashed once, not at every try."""
+    from nanoengine.engine.scheduler import SKIP_AHEAD_LIMIT
+
+    hashed = []
+    real = BlockManager.compute_hash
+    monkeypatch.setattr(BlockManager, "compute_hash",
+                        staticmethod(lambda t, prefix: hashed.append(tuple(t)) or real(t, prefix)))
+    for policy, tried in (("fcfs", 1), ("skip_ahead", SKIP_AHEAD_LIMIT + 1)):
+        sched = make_policy(policy, num_blocks=8, block_size=4, budget=64, max_model_len=64)
+        a = seq_of(sched, range(25), max_tokens=7)  # 7 of 8 blocks, then all 8
+        sched.add(a)
+        step(sched)
+        backlog = [seq_of(sched, range(1000 + 100 * i, 1000 + 100 * i + 8), max_tokens=1) for i in range(200)]
+        for s in backlog:
+            sched.add(s)  # 2 blocks each: none fits while `a` runs
+        hashed.clear()
+        for _ in range(5):
+            out, _ = step(sched)
+            assert [x.seq for x in out.scheduled] == [a]
+        assert sum(len(s.block_hashes) > 0 for s in backlog) == tried, policy  # the ones admission tried
+        backlog_hashes = [t for t in hashed if t[0] >= 1000]  # (a's own blocks are hashed as they fill)
+        assert len(backlog_hashes) == 2 * tried, (policy, backlog_hashes)  # 2 full blocks each, once
 
 
 def test_failed_admission_rolls_back_prefix_hit():
@@ -463,3 +500,15 @@ def test_same_step_admissions_share_a_prefix():
     out, _ = step(sched)
     assert plan(out) == [(a.seq_id, 6, True)]
     assert [sched.block_manager.blocks[i].hash is not None for i in a.block_table] == [True, False]
+
+
+def test_a_long_prompt_behind_a_stream_of_short_ones_starves_only_when_skipping_ahead():
+    """Chapter 05's measurement: with skip_ahead the long prompt waits until the stream stops; with fcfs it
+    waits for the running requests to finish, and the short ones behind it wait that long at most."""
+    from nanoengine.bench.admission import long_prompt_behind_short_ones
+
+    fcfs = long_prompt_behind_short_ones("fcfs")
+    skip = long_prompt_behind_short_ones("skip_ahead")
+    assert skip["long_prompt_wait_steps"] >= skip["stream_steps"] - 40, skip  # it starts when the stream ends
+    assert fcfs["long_prompt_wait_steps"] < 50 and fcfs["short_max_wait_steps"] < 50, fcfs
+    assert fcfs["steps"] == skip["steps"] and fcfs["tokens_per_step"] > 0.9 * skip["tokens_per_step"]

@@ -145,6 +145,82 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
             "median_step_ms": 1e3 * statistics.median(walls)}
 
 
+def measure_backlog(model: str, num_waiting: int, num_running: int = 64, steps: int = 100, seed: int = 0,
+                    **options: Any) -> dict[str, Any]:
+    """Milliseconds per decode step at `num_running` decoding sequences on a full KV pool (not one block
+    free) with `num_waiting` requests queued behind them that cannot start (prompts uniform in 100..1024
+    tokens). Blocks of 256 tokens and running prompts of 256k + 1 tokens: a running sequence's last block has
+    room for 255 decodes, so nothing is preempted and nothing admitted in the measured steps; what the queue
+    costs is only admission's attempt on it. options: engine options (e.g. scheduling_policy)."""
+    rng = random.Random(seed)
+    block = 256
+    prompt_lens = [block * rng.randint(0, 3) + 1 for _ in range(num_running)]
+    if steps + 8 >= block:
+        raise ValueError(f"backlog: at most {block - 9} steps fit one block's decodes, got {steps}")
+    eng = stub_engine(model, False, sum(-(-n // block) for n in prompt_lens), seed, block_size=block,
+                      max_num_seqs=max(256, num_running), max_num_batched_tokens=4096, **options)
+    vocab = min(eng.plan.hf_config.vocab_size, 10_000)
+    params = SamplingParams(temperature=0.6, max_tokens=block - 2, ignore_eos=True)
+    for n in prompt_lens:
+        eng.add(eng.make_request([rng.randrange(vocab) for _ in range(n)], params, final_only=True))
+    while any(s.is_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting)):
+        eng.step()
+    if eng.block_manager.num_free_blocks or len(eng.scheduler.running) != num_running:
+        raise RuntimeError("backlog: the pool should be full with every sequence running")
+    for _ in range(num_waiting):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
+        eng.add(eng.make_request(prompt, SamplingParams(max_tokens=16), final_only=True))
+    for _ in range(3):
+        eng.step()
+    eng.stats.clear()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t)
+    sch = eng.scheduler
+    ok = all(s.num_seqs == num_running and s.prefill_tokens == 0 for s in eng.stats)
+    left = len(sch.waiting)
+    eng.close()
+    if not ok or left != num_waiting:
+        raise RuntimeError(f"backlog: the measured steps should decode the {num_running} running sequences "
+                           f"only and admit none (waiting: {left} of {num_waiting})")
+    return {"num_waiting": num_waiting, "num_running": num_running, "steps": steps,
+            "step_ms": 1e3 * statistics.fmean(walls), "median_step_ms": 1e3 * statistics.median(walls),
+            "schedule_ms": 1e3 * statistics.fmean(s.schedule_s for s in eng.stats),
+            "options": options}
+
+
+def backlog_bench(model: str = "qwen3-0.6b-shape", waiting: tuple[int, ...] = (0, 1_000, 10_000),
+                  steps: int = 100, seed: int = 0, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """`measure_backlog` at each queue length, under both admission policies."""
+    from nanoengine.config import SCHEDULING_POLICIES
+
+    rows = [{**measure_backlog(model, n, steps=steps, seed=seed, scheduling_policy=policy),
+             "policy": policy} for policy in SCHEDULING_POLICIES for n in waiting]
+    result = {"model": model, "workload": "host-only-backlog", "rows": rows,
+              "hardware": hardware.describe("cpu"),
+              "what": "host ms per step of 64 decoding sequences on a full KV pool, with N requests waiting "
+                      "that cannot start (model stubbed)"}
+    if out_dir is not None:
+        hw = result["hardware"]
+        where = _slug(hw.get("cpu") or "cpu")
+        name = f"host-only-backlog_{_slug(Path(model).name)}_{where}_torch{_slug(hw['torch'])}"
+        result["json_path"] = str(write_json(result, out_dir, name))
+    return result
+
+
+def backlog_report(result: dict[str, Any]) -> str:
+    lines = [f"host work per step, {result['rows'][0]['num_running']} decodes on a full pool, N waiting "
+             f"({result['model']}, model stubbed)",
+             f"{'policy':>10} {'waiting':>8} {'step ms':>8} {'median':>8} {'schedule':>8}"]
+    lines += [f"{r['policy']:>10} {r['num_waiting']:>8} {r['step_ms']:>8.3f} {r['median_step_ms']:>8.3f} "
+              f"{r['schedule_ms']:>8.3f}" for r in result["rows"]]
+    if "json_path" in result:
+        lines.append(f"JSON: {result['json_path']}")
+    return "\n".join(lines)
+
+
 def host_bench(model: str = "qwen3-0.6b-shape", batches: tuple[int, ...] = (1, 32, 256), steps: int = 200,
                seed: int = 0, out_dir: str | Path | None = None) -> dict[str, Any]:
     rows = [measure(model, b, overlap, steps, seed, streaming) for streaming in (False, True) for b in batches
@@ -180,5 +256,9 @@ def main(args: Any) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = args.model or "qwen3-0.6b-shape"
+    if args.backlog:
+        print(backlog_report(backlog_bench(model, steps=min(args.steps, 100), seed=args.seed,
+                                           out_dir=args.out_dir)))
+        return 0
     print(report(host_bench(model, steps=args.steps, seed=args.seed, out_dir=args.out_dir)))
     return 0

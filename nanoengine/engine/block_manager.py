@@ -118,16 +118,23 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold seq's leading full blocks, in order: each one's chained hash is in the
         cache and its tokens are equal (a hash collision is a miss); the first miss ends the prefix."""
-        prefix_hash: int | None = None
         hit_ids = []
-        for i in range(seq.num_tokens // self.block_size):
-            tokens = seq.block_tokens(i)
-            prefix_hash = self.compute_hash(tokens, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or a hash collision
+        for i, h in enumerate(self.hashes_of(seq, seq.num_known_tokens // self.block_size)):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i):  # miss, collision
                 break
             hit_ids.append(block_id)
         return hit_ids
+
+    def hashes_of(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of seq's first `num_blocks` full blocks (known tokens only). Each block is
+        hashed once per sequence: the hashes are kept in `seq.block_hashes` and extended as it grows, so a
+        waiting sequence tried at every step, or a long prompt whose blocks fill chunk by chunk, hashes
+        nothing twice."""
+        have = seq.block_hashes
+        if len(have) < num_blocks:
+            have += self.chain_hashes(seq, len(have), num_blocks, have[-1] if have else None)
+        return have[:num_blocks]
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -174,16 +181,17 @@ class BlockManager:
         start = num_full
         while start > 0 and self.blocks[table[start - 1]].hash is None:
             start -= 1
-        prefix_hash = self.blocks[table[start - 1]].hash if start > 0 else None
-        for i, h in enumerate(self.chain_hashes(seq, start, num_full, prefix_hash), start):
+        hashes = self.hashes_of(seq, num_full)
+        for i in range(start, num_full):
             block = self.blocks[table[i]]
-            block.hash = h
+            block.hash = h = hashes[i]
             block.token_ids = seq.block_tokens(i)
             # if another block already holds this prefix, keep that mapping (this one stays a private copy)
             self.hash_to_block_id.setdefault(h, block.block_id)
 
     def chain_hashes(self, seq: Sequence, start: int, stop: int, prefix_hash: int | None) -> list[int]:
-        """The chained hashes of seq's full blocks start..stop-1, given the hash of block start-1."""
+        """The chained hashes of seq's full blocks start..stop-1, given the hash of block start-1 (what
+        `hashes_of` computes each block with, once)."""
         hashes = []
         for i in range(start, stop):
             prefix_hash = self.compute_hash(seq.block_tokens(i), prefix_hash)

@@ -63,7 +63,8 @@ class LLMEngine:
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
-                                               max_model_len=plan.max_model_len)
+                                               max_model_len=plan.max_model_len,
+                                               policy=plan.scheduling_policy)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -72,6 +73,9 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0
         self.in_flight: InFlight | None = None  # the step launched and not yet finished (overlap)
+        # the sequences the last finished step gave a token (each finished one among them): what changed, for
+        # a server that publishes per step without walking every request it holds
+        self.last_sampled: list[Sequence] = []
         self.trace: RunTrace | None = None
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run
@@ -219,6 +223,7 @@ class LLMEngine:
         t_end = time.perf_counter()
         t0, t1, t2, t3, t_advanced = step.times
         self.note_times(step.out, sampled, finished, t1, t_known, t_end)
+        self.last_sampled = [seq for seq, _ in sampled]
         clock = self.start_time
         ran = step.tokens.ran if step.tokens is not None else None
         stats = StepStats.of(step.out, self.block_manager, clock, schedule_s=t1 - t0,

@@ -2,9 +2,16 @@
 
 Every step has a budget of `max_num_batched_tokens` tokens. Running sequences go first, in order (a decode
 costs one token, a half-done chunked prefill costs the rest of its prompt, capped by what is left of the
-budget); then waiting sequences are admitted while budget and `max_num_seqs` allow, reusing prefix-cache
-hits. When the KV pool runs out, the newest running sequence is preempted (its blocks are freed and it is
-recomputed later). Pure Python over plain data: no torch.
+budget); then waiting sequences are admitted in order while budget and `max_num_seqs` allow, reusing
+prefix-cache hits. When the KV pool runs out, the newest running sequence is preempted (its blocks are freed
+and it is recomputed later). Pure Python over plain data: no torch.
+
+A waiting sequence whose blocks do not fit ends admission for the step under the "fcfs" policy, as in vLLM
+v1 (`vllm/v1/core/sched/scheduler.py`: `if new_blocks is None: ... break`): nothing overtakes it, so a long
+prompt cannot starve behind a stream of short ones. "skip_ahead" tries up to SKIP_AHEAD_LIMIT later ones
+(a short one may fit now) at the risk of that starvation; chapter 05 measures both. Either way a step's
+admission work is bounded by what it admits, however long the queue: a waiting prompt's block hashes are
+computed once (`BlockManager.hashes_of`), and the scan stops where admission cannot go on.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanoengine.config import SCHEDULING_POLICIES
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
+
+SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
 
 @dataclass(slots=True)
@@ -37,9 +47,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
-        """The engine's limits come from its plan: a step's token budget, the sequences running at once, and
-        the longest a sequence may grow (prompt + output)."""
+                 max_num_seqs: int, max_model_len: int, policy: str = "fcfs") -> None:
+        """The engine's limits come from its plan: a step's token budget, the sequences running at once, the
+        longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead")."""
+        if policy not in SCHEDULING_POLICIES:
+            raise InvalidValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -117,10 +130,11 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2) waiting sequences, in order, without head-of-line blocking. No admissions in a step that had to
-        #    preempt: the pool is under pressure and the preempted ones would just be readmitted.
+        # 2) waiting sequences, in order. No admissions in a step that had to preempt: the pool is under
+        #    pressure and the preempted ones would just be readmitted.
         if not out.preempted:
             j = 0
+            skips = 0 if self.policy == "skip_ahead" else SKIP_AHEAD_LIMIT  # fcfs: none
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[j]
                 first = seq.wait_for
@@ -129,7 +143,10 @@ class Scheduler:
                     j += 1  # an n>1 sibling: wait for the first completion's prefill, then hit its blocks
                     continue
                 n = self.admit(seq, budget)
-                if n is None:  # its blocks do not fit: try the next one (no head-of-line blocking)
+                if n is None:  # its blocks do not fit: admission stops here (fcfs), or tries the next one
+                    if skips == SKIP_AHEAD_LIMIT:
+                        break
+                    skips += 1
                     j += 1
                     continue
                 hits = seq.num_cached_tokens

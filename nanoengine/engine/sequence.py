@@ -41,6 +41,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
         self.block_table: list[int] = []
+        # the chained prefix-cache hashes of its leading full blocks of known tokens, computed once (by
+        # BlockManager.hashes_of) and extended as it grows: a waiting sequence tried at every step hashes
+        # nothing again
+        self.block_hashes: list[int] = []
         self.num_table_resets = 0  # times the block manager emptied block_table (a table only grows between)
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it

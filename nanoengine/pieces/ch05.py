@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
+from nanoengine.errors import InvalidValueError
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.pieces.learner import check_result, piece
 
@@ -22,6 +23,14 @@ def scheduler_class(module: ModuleType, base: type[Scheduler] = Scheduler) -> ty
     schedule = piece(module, "schedule", "ch05")
 
     class LearnerScheduler(base):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if self.policy != "fcfs":  # an option is done as asked, or refused
+                raise InvalidValueError(
+                    f"use_exercises: your Exercise 5.2 schedules first come, first served; scheduling_policy="
+                    f"{self.policy!r} needs the engine's own scheduler (leave 'ch05' out of use_exercises, "
+                    "or use scheduling_policy='fcfs')")
+
         def schedule(self) -> SchedulerOutput:
             out = schedule(self)
             check_result(isinstance(out, SchedulerOutput), schedule,

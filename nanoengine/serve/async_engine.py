@@ -332,8 +332,12 @@ class AsyncEngine:
             texts: dict[str, list[tuple[int, str]]] = {}
             for req, index, text in deltas:
                 texts.setdefault(req.request_id, []).append((index, text))
-            for rid in list(self._live):
-                live = self._live[rid]
+            # only the requests this step touched: a long queue costs nothing here
+            touched = dict.fromkeys([*texts, *(seq.request_id for seq in eng.last_sampled)])
+            for rid in touched:
+                live = self._live.get(rid)
+                if live is None:  # aborted meanwhile
+                    continue
                 events = self._events(live, texts.get(rid, ()))
                 if live.request.finished:
                     del self._live[rid]

@@ -386,12 +386,12 @@ def variant_admit(bm: BlockManager, waiting: list, budget: int, mode: str) -> li
         seq.num_computed_tokens = hits if mode == "no_recompute" else min(hits, seq.num_tokens - 1)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not bm.can_allocate(seq, n):
-            if mode == "head_of_line":
-                break
             if mode != "no_undo":
                 bm.free(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
-            continue
+            if mode == "skip_ahead":
+                continue
+            break
         bm.allocate(seq, n)
         if mode != "register_late":
             bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
@@ -406,7 +406,8 @@ ADMIT_MISTAKES = {
                      "in the same step shares them instead of computing them again",
     "no_recompute": "skipping a fully cached prompt's last token: it is always computed "
                     "(num_computed_tokens = min(hits, num_tokens - 1)), or the step has no logits to sample from",
-    "head_of_line": "stopping at the first prompt that does not fit: try the next ones, a smaller one may fit",
+    "skip_ahead": "trying the prompts after one that does not fit: stop there (first come, first served), so "
+                  "a long prompt is not overtaken forever by shorter ones",
     "no_undo": "keeping the hit blocks of a prompt that does not fit: undo with bm.free(seq) and reset "
                "num_computed_tokens and num_cached_tokens to 0",
 }
@@ -441,7 +442,7 @@ def admit_case(case: int):
             ids = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 6 * bs))]
         waiting.append(make_seq(ids, bs))
     budget = rng.choice([8, 24, 64, 256])
-    if case % 4 == 0:  # a prompt the pool cannot hold, then one it can: admission skips, it does not stop
+    if case % 4 == 0:  # a prompt the pool cannot hold now, then one it can: admission stops at the first
         extra = [rng.randrange(10, 1000) for _ in range((bm.num_free_blocks + 1) * bs)]
         waiting.insert(1, make_seq(base + extra, bs))  # it may hit the cached base first: undo that
         waiting.append(make_seq([rng.randrange(10, 1000) for _ in range(bs)], bs))
@@ -457,7 +458,7 @@ def admit_result(bm, waiting, admitted) -> dict:
 
 
 def check_admit(fn, where: str) -> None:
-    seen = {"same-step share": 0, "full hit": 0, "skipped": 0, "chunked": 0}
+    seen = {"same-step share": 0, "full hit": 0, "stopped": 0, "chunked": 0}
     for case in range(40):
         bm, waiting, budget = admit_case(case)
         w_bm, w_waiting = copy.deepcopy((bm, waiting))
@@ -484,7 +485,7 @@ def check_admit(fn, where: str) -> None:
                                        and waiting[i].seq_id in ids and waiting[j].seq_id in ids
                                        for i in range(len(waiting)) for j in range(i + 1, len(waiting)))
         seen["full hit"] += any(s.num_cached_tokens == s.num_tokens for s, _ in want_adm)
-        seen["skipped"] += len(want_adm) < len(waiting) and bool(want_adm)
+        seen["stopped"] += len(want_adm) < len(waiting) and bool(want_adm)
         seen["chunked"] += any(s.num_computed_tokens + n < s.num_tokens for s, n in want_adm)
     assert all(seen.values()), f"test bug: the cases should cover every rule: {seen}"
 
