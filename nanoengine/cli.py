@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from nanoengine import assets  # standard library only: keeps `nanoengine --help` fast
-from nanoengine.serve import DEFAULT_MAX_QUEUED_SEQS  # a constant: no server imports
+from nanoengine.serve.limits import ServerLimits  # a dataclass: no server imports
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -106,6 +107,11 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k.removeprefix("engine."): v for k, v in vars(args).items() if k.startswith("engine.")}
 
 
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The --max-* and --first-token-timeout flags (0: no limit) as ServerLimits."""
+    return ServerLimits(**{f.name: getattr(args, f.name) or None for f in dataclasses.fields(ServerLimits)})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
@@ -120,13 +126,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
                  engine_options=engine_options(args), api_key=args.api_key,
-                 protect_metrics=args.protect_metrics, max_queued_seqs=args.max_queued_seqs or None)
+                 protect_metrics=args.protect_metrics, limits=server_limits(args))
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
     # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+LIMIT_HELP = {
+    "max_body_bytes": "the largest request body, in bytes (413 beyond it)",
+    "max_n": "the most completions (n) one request may ask for (400 beyond it)",
+    "max_prompt_tokens": "the longest prompt, in tokens (400 beyond it; default: max_model_len alone)",
+    "max_queued_seqs": "the most sequences waiting to start, a request of n counting n (503 with Retry-After "
+                       "beyond it)",
+    "first_token_timeout_s": "seconds a request may wait for its first token; then it is aborted and its "
+                             "client gets 503 with Retry-After",
+    "max_unread_chunks": "stream chunks a client may leave unread before its request is aborted",
+}
+
+
+def add_limit_flags(s: argparse.ArgumentParser) -> None:
+    defaults = ServerLimits()
+    for f in dataclasses.fields(ServerLimits):
+        default = getattr(defaults, f.name)
+        s.add_argument(ServerLimits.flag(f.name), dest=f.name, type=float if f.name.endswith("_s") else int,
+                       default=default, help=f"{LIMIT_HELP[f.name]} (default: {default}; 0: no limit)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="every /v1 request must send 'Authorization: Bearer KEY' (default: "
                         "$NANOENGINE_API_KEY; none: open to whoever reaches the port)")
     s.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
-    s.add_argument("--max-queued-seqs", type=int, default=DEFAULT_MAX_QUEUED_SEQS,
-                   help="the most sequences waiting to start (a request of n counts n); beyond it a request "
-                        "gets 503 with Retry-After (0: no limit)")
+    add_limit_flags(s)
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

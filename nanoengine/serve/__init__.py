@@ -4,6 +4,8 @@
 - `protocol.py`: the request and response bodies, in OpenAI's shapes (pydantic);
 - `async_engine.py`: one background thread steps the `LLMEngine`; handlers submit through a thread-safe queue
   and read their deltas from per-request asyncio queues;
+- `limits.py`: `ServerLimits`, what one request and the queue may be (body, n, prompt tokens, queued
+  sequences, first-token timeout, unread stream chunks);
 - `metrics.py`: the Prometheus metrics behind `GET /metrics`;
 - `routes.py`: the FastAPI app and its routes, OpenAI's error format, and the SSE chunks (written once for
   completions and chats);
@@ -16,5 +18,3 @@
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     print(client.completions.create(model="tiny-qwen3", prompt="Once upon", max_tokens=8).choices[0].text)
 """
-
-DEFAULT_MAX_QUEUED_SEQS = 4096  # sequences waiting to start before a request gets 503 with Retry-After

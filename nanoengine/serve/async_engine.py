@@ -14,16 +14,26 @@ engine's (`LLMEngine.step`); nothing here re-decides them.
 `abort(stream)` (a client that went away) frees the request's blocks in the engine thread's next loop, within
 one step. `begin_shutdown(grace_s)` refuses new requests, lets the in-flight ones run for up to `grace_s`,
 then aborts the rest (their streams end with finish_reason "abort"); `stop()` ends the thread.
+
+The limits (`ServerLimits`) that need the engine are applied here: prompt tokens and the queue's length when
+a request is added, the first-token timeout before every step (a deque of deadlines in arrival order, so a
+long queue costs nothing), and a stream's unread chunks when they are delivered. A step that raises is fatal:
+every request in flight ends with the error (HTTP 500), /health reports it, nothing more is accepted, and
+`on_fatal` tells the server to exit with a non-zero status (a supervisor restarts it), because an engine that
+failed mid-step may hold a broken KV cache. `NANOENGINE_INJECT_FAULT=<ExceptionName>@<step>` (tests only:
+RuntimeError or MemoryError) raises that exception in place of the engine's step number <step>.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +42,28 @@ from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.request import Request
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.metrics import ServerMetrics
+from nanoengine.serve.protocol import ProtocolError
 from nanoengine.tokenizer import apply_chat_template
 from nanoengine.trace import RunTrace
 
 log = logging.getLogger("nanoengine.serve")
 IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before looking again
 MAX_TRACE_STEPS = 5_000  # a traced server stops recording after this many steps (each keeps a snapshot)
+FAULT_ENV = "NANOENGINE_INJECT_FAULT"  # tests only: "RuntimeError@3" raises in place of the 3rd step
+FAULTS = {"RuntimeError": RuntimeError, "MemoryError": MemoryError}
+
+
+def injected_fault() -> tuple[type[Exception], int] | None:
+    """The fault NANOENGINE_INJECT_FAULT asks for: (exception class, step number), or None."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    name, _, step = spec.partition("@")
+    if name not in FAULTS or not step.isdigit() or int(step) < 1:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <{'|'.join(FAULTS)}>@<step number >= 1>")
+    return FAULTS[name], int(step)
 
 
 class ServerBusyError(RuntimeError):
@@ -51,7 +76,7 @@ class ServerBusyError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """The engine raised while stepping; the requests in that batch were aborted (HTTP 500)."""
+    """The engine raised while stepping; every request in flight was aborted (HTTP 500)."""
 
 
 @dataclass
@@ -90,6 +115,7 @@ class RequestStream:
     accepted: asyncio.Future | None = None
     outputs: list[RequestOutput | None] = field(default_factory=list)
     done: bool = False
+    request_ids: list[str] = field(default_factory=list)  # its engine requests (engine thread)
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -132,12 +158,15 @@ class _Live:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, trace: bool = False,
-                 max_queued_seqs: int | None = None) -> None:
-        """max_queued_seqs: the most sequences waiting to be scheduled (a request of n completions counts n);
-        a request that would go beyond it is refused (503 with Retry-After) instead of queued. None: no
-        limit."""
+                 limits: ServerLimits | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+        """limits: what the server takes (ServerLimits' defaults when None). on_fatal: called (from the engine
+        thread) after a step raised and every request in flight was failed."""
         self.engine = engine
-        self.max_queued_seqs = max_queued_seqs
+        self.limits = limits or ServerLimits()
+        self.on_fatal = on_fatal
+        self.failure: str | None = None  # "ExceptionName: message" once a step raised
+        self._fault = injected_fault()
+        self._deadlines: deque[tuple[float, RequestStream]] = deque()  # first-token deadlines, in order
         self.metrics = metrics or ServerMetrics(engine.config.model)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
@@ -162,6 +191,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def why_not_serving(self) -> str:
+        if self.failure is not None:
+            return f"the engine failed ({self.failure}); the server is exiting"
+        return "the server is shutting down" if self._stopping else "the engine is not running"
+
     def new_id(self, prefix: str) -> str:
         self._ids += 1
         return f"{prefix}-{self._ids}-{time.time_ns() % 10**9:09d}"
@@ -171,17 +205,18 @@ class AsyncEngine:
         """Queue one request per prompt (or one for the conversation); raises the engine's error for a bad
         one, in which case none is queued."""
         if not self.healthy:
-            raise ServerBusyError("the server is shutting down" if self._stopping
-                                  else "the engine is not running")
+            raise ServerBusyError(self.why_not_serving())
         n_prompts = 1 if conversation is not None else len(prompts)
         stream = RequestStream(request_id, n_prompts, params.n, self._loop)
         self._commands.put(("add", stream, prompts, params, conversation, time.perf_counter()))
         try:
-            await stream.accepted
+            while not (await asyncio.wait({stream.accepted}, timeout=IDLE_WAIT_S))[0]:
+                if not self._thread.is_alive():  # it ended before taking the request
+                    raise ServerBusyError(self.why_not_serving())
         except asyncio.CancelledError:  # the client left before the engine thread took the request
             self.abort(stream)
             raise
-        return stream
+        return stream.accepted.result()
 
     def abort(self, stream: RequestStream) -> None:
         """The client is gone: abort whatever of `stream` is still running (thread-safe, returns at once)."""
@@ -223,31 +258,81 @@ class AsyncEngine:
         if not batch:
             return
 
+        limit = self.limits.max_unread_chunks
+
         def put() -> None:
             for stream, events in batch:
                 for ev in events:
                     stream.queue.put_nowait(ev)
+                if limit is not None and not stream.done and stream.queue.qsize() > limit:
+                    log.warning("request %s: its client left %d chunks unread (--max-unread-chunks %d); "
+                                "aborted", stream.request_id, stream.queue.qsize(), limit)
+                    self.abort(stream)  # frees its blocks; its client, should it read on, learns why:
+                    stream.queue.put_nowait(Failed(ServerBusyError(
+                        f"aborted: the client left more than {limit} stream chunks unread "
+                        "(--max-unread-chunks)", retry_after=1)))
         self._loop.call_soon_threadsafe(put)
 
     def _run(self) -> None:
-        eng = self.engine
+        eng, calls = self.engine, 0
         while not self._stop.is_set():
             self._handle_commands(block=not eng.has_unfinished())
-            if self._abort_at is not None and time.perf_counter() >= self._abort_at and self._live:
+            now = time.perf_counter()
+            if self._abort_at is not None and now >= self._abort_at and self._live:
                 self._abort_all(None)
+            if self._deadlines and self._deadlines[0][0] <= now:
+                self._expire(now)
             if not eng.has_unfinished():
                 self._publish(None)
                 continue
             try:
                 steps = eng.step_count
+                calls += 1
+                if self._fault is not None and calls == self._fault[1]:
+                    raise self._fault[0](f"injected by {FAULT_ENV} at step {calls}")
                 deltas = eng.step()
-            except Exception as e:  # noqa: BLE001 - the server keeps serving; these requests get the error
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                self._abort_all(EngineStepError(f"the engine failed while stepping: {type(e).__name__}: {e}"))
-                continue
+            except Exception as e:  # noqa: BLE001 - fatal: every request in flight gets the error, then exit
+                self._fail(e)
+                break
             # (with overlap a call may launch a step and finish none: nothing to publish yet)
             self._publish(eng.stats[-1] if eng.step_count > steps else None, deltas)
-        self._abort_all(None)
+        if self.failure is None:
+            self._abort_all(None)
+        self._refuse_pending()
+
+    def _fail(self, e: Exception) -> None:
+        """A step raised: fail every request in flight with it, refuse new ones, tell the server."""
+        log.error("engine step failed; failing every request in flight and exiting:\n%s",
+                  traceback.format_exc())
+        self.failure = f"{type(e).__name__}: {e}"
+        self._stopping = True
+        self._abort_all(EngineStepError(f"the engine failed while stepping ({self.failure}); the server is "
+                                        "exiting"))
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _refuse_pending(self) -> None:
+        """The thread ends: answer whatever is still queued (a request arriving meanwhile must not hang)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._resolve(cmd[1].accepted, error=ServerBusyError(self.why_not_serving()))
+            elif cmd[0] == "call":
+                self._resolve(cmd[2], error=ServerBusyError(self.why_not_serving()))
+
+    def _expire(self, now: float) -> None:
+        """Fail the requests whose first-token deadline passed before their first token came."""
+        timeout = self.limits.first_token_timeout_s
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, stream = self._deadlines.popleft()
+            lives = [self._live[rid] for rid in stream.request_ids if rid in self._live]
+            if any(live.request.metrics.first_token_time is None for live in lives):
+                self._fail_stream(stream, ServerBusyError(
+                    f"aborted: no first token within {timeout:g} s (the server's --first-token-timeout); the "
+                    "server is overloaded, retry later", retry_after=max(1, round(timeout / 10))))
 
     def _handle_commands(self, block: bool) -> None:
         try:
@@ -284,22 +369,38 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the engine's error (bad prompt, too long) goes to the handler
             self._resolve(stream.accepted, error=e)
             return
+        limits = self.limits
+        longest = max(len(r.prompt_token_ids) for r in reqs)
+        if limits.max_prompt_tokens is not None and longest > limits.max_prompt_tokens:
+            self._resolve(stream.accepted, error=ProtocolError(
+                f"a prompt of {longest} tokens is longer than this server takes (--max-prompt-tokens "
+                f"{limits.max_prompt_tokens}); shorten it", "prompt" if conversation is None else "messages"))
+            return
         waiting, new = len(eng.scheduler.waiting), len(reqs) * params.n
-        if self.max_queued_seqs is not None and waiting + new > self.max_queued_seqs:
+        if limits.max_queued_seqs is not None and waiting + new > limits.max_queued_seqs:
             self._resolve(stream.accepted, error=ServerBusyError(
                 f"the queue is full: {waiting} sequences wait and this request adds {new}, beyond the "
-                f"server's --max-queued-seqs {self.max_queued_seqs}; retry later", retry_after=1))
+                f"server's --max-queued-seqs {limits.max_queued_seqs}; retry later", retry_after=1))
             return
         for i, req in enumerate(reqs):
             req.metrics.arrival_time = arrival  # when the HTTP request came in, not when this thread saw it
             eng.add(req)
             self._live[req.request_id] = _Live(req, stream, i)
+            stream.request_ids.append(req.request_id)
             self.metrics.on_admitted(len(req.prompt_token_ids) * params.n)  # per sequence, as hits count
+        if limits.first_token_timeout_s is not None:
+            self._deadlines.append((arrival + limits.first_token_timeout_s, stream))
         self._resolve(stream.accepted, stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:
-        for rid in [rid for rid, live in self._live.items() if live.stream is stream]:
-            self._finish(self._live.pop(rid), aborted=True)
+        for rid in stream.request_ids:
+            if rid in self._live:
+                self._finish(self._live.pop(rid), aborted=True)
+
+    def _fail_stream(self, stream: RequestStream, error: Exception) -> None:
+        """Abort what is left of one request; its handler raises `error`."""
+        self._abort_stream(stream)
+        self._deliver([(stream, [Failed(error)])])
 
     def _abort_all(self, error: Exception | None) -> None:
         """Abort every live request; its stream ends with finish_reason 'abort', or with `error`."""
@@ -311,8 +412,14 @@ class AsyncEngine:
             if error is None:
                 events.extend(ChoiceDone(live.prompt_index * n + i, "abort", None)
                               for i in range(n) if i not in live.reported)
-            output = self._finish(live, aborted=True)
-            events.append(Failed(error) if error is not None else RequestDone(live.prompt_index, output))
+                events.append(RequestDone(live.prompt_index, self._finish(live, aborted=True)))
+                continue
+            try:  # after a failed step the engine's state may be broken: the client hears of it regardless
+                self._finish(live, aborted=True)
+            except Exception:  # noqa: BLE001
+                log.exception("could not abort request %s after the failure", rid)
+            if not events:
+                events.append(Failed(error))
         self._deliver(list(batch.values()))
         self._publish(None)
 

@@ -19,6 +19,10 @@ blocks freed within one engine step.
 With an API key (`--api-key`, or NANOENGINE_API_KEY), every /v1 route (and /metrics with --protect-metrics)
 needs `Authorization: Bearer <key>`, compared in constant time; without it the answer is 401 in OpenAI's
 error format, before the body is looked at. /health stays open, for the supervisor that probes it.
+
+The limits (`limits.py`): a body over `max_body_bytes` is 413 before it is read whole (`BodyLimit`, an ASGI
+middleware), `n` over `max_n` is 400 here; the rest are the engine thread's (async_engine.py). After an
+engine failure /health is 503 naming it, and every request gets 503 until the process exits.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from nanoengine.serve.async_engine import (
     RequestStream,
     ServerBusyError,
 )
+from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatChoice,
@@ -81,6 +86,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     /v1 routes (and /metrics with protect_metrics) need it."""
     max_model_len = engine.engine.plan.max_model_len
     app = FastAPI(title="nanoengine", lifespan=_lifespan(engine))
+    if engine.limits.max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes)
     add_error_handlers(app)
     auth = needs_key(api_key)
     add_info_routes(app, engine, model_name, max_model_len, auth, auth if protect_metrics else [])
@@ -101,6 +108,42 @@ def needs_key(api_key: str | None) -> list:
                                               "with the key this server was started with (--api-key)")
 
     return [Depends(check_key)]
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is 413 in OpenAI's error format, told by its
+    Content-Length before a byte of it is read, or (chunked, no length) once it passes the limit."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0  # no length given: read it here, up to the limit
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Callable) -> None:
+        response = error_response(413, f"the request body is larger than this server takes ({self.max_bytes} "
+                                       f"bytes, {ServerLimits.flag('max_body_bytes')}); send less",
+                                  param=None)
+        await response({"type": "http"}, None, send)
 
 
 def _lifespan(engine: AsyncEngine) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -197,8 +240,7 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_mode
     @app.get("/health")
     async def health() -> Response:
         if not engine.healthy:
-            return error_response(503, "the engine is not running (shutting down?)",
-                                  kind="service_unavailable")
+            return error_response(503, engine.why_not_serving(), kind="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", dependencies=auth)
@@ -225,7 +267,7 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
-        params = body.sampling_params(COMPLETIONS_MAX_TOKENS)
+        params = check_n(body.sampling_params(COMPLETIONS_MAX_TOKENS), engine.limits)
         prompts = body.prompts()
         rid = engine.new_id("cmpl")
         stream = await engine.submit(prompts, params, rid)
@@ -240,7 +282,7 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         conversation = body.conversation()
-        params = body.sampling_params(None)
+        params = check_n(body.sampling_params(None), engine.limits)
         rid = engine.new_id("chatcmpl")
         stream = await engine.submit([], params, rid, conversation=conversation)
         if body.stream:
@@ -252,6 +294,13 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
         resp = ChatCompletionResponse(id=rid, model=model_name, choices=chat_choices(stream),
                                       usage=Usage(**stream.usage))
         return JSONResponse(resp.model_dump())
+
+
+def check_n(params: Any, limits: ServerLimits) -> Any:
+    if limits.max_n is not None and params.n > limits.max_n:
+        raise ProtocolError(f"n={params.n} completions is more than this server takes in one request "
+                            f"({ServerLimits.flag('max_n')} {limits.max_n}); ask for fewer", "n")
+    return params
 
 
 def check_model(name: str, model_name: str) -> None:
@@ -298,6 +347,8 @@ async def sse_lines(engine: AsyncEngine, stream: RequestStream, chunk: ChunkOf,
             yield _data(chunk([], stream.usage))
     except EngineStepError as e:
         yield _data(ErrorResponse(error=ErrorInfo(message=str(e), type="internal_server_error", code=500)))
+    except ServerBusyError as e:  # aborted: no first token in time, or the client stopped reading
+        yield _data(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503)))
     finally:  # also when the client disconnects: the stream is cancelled here, and aborted
         engine.abort(stream)
     yield "data: [DONE]\n\n"

@@ -3,7 +3,8 @@ runs uvicorn on a bound socket (clean shutdown): `run()` in the foreground (`nan
 `serve()`) or `start()` / `with Server(...)` from a background thread (the book). Chapter 05 (appendix).
 
 Shutdown (SIGINT/SIGTERM): new requests get 503, the in-flight ones have `shutdown_grace_s` to finish, then
-are aborted (their streams end with finish_reason "abort"), and the process exits.
+are aborted (their streams end with finish_reason "abort"), and the process exits with status 0. An engine
+step that raises ends the server too: the requests in flight get the error (500), and `run()` returns 1.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 import prometheus_client
 import uvicorn
 
-from nanoengine.serve import DEFAULT_MAX_QUEUED_SEQS
 from nanoengine.serve.async_engine import AsyncEngine
+from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.protocol import ProtocolError
 from nanoengine.serve.routes import build_app
 
@@ -65,11 +66,10 @@ class Server:
                  served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
                  log_level: str = "info", engine_options: dict[str, Any] | None = None,
                  api_key: str | None = None, protect_metrics: bool = False,
-                 max_queued_seqs: int | None = DEFAULT_MAX_QUEUED_SEQS) -> None:
+                 limits: ServerLimits | None = None) -> None:
         """api_key: the key every /v1 request must bear (`Authorization: Bearer <key>`; /metrics too with
         protect_metrics); None: no key, and a warning when the address is reachable from other machines.
-        max_queued_seqs: the most sequences waiting to start (503 with Retry-After beyond it; None: no
-        limit)."""
+        limits: what one request and the queue may be (ServerLimits; its defaults when None)."""
         from nanoengine.launch import build_engine
         from nanoengine.serve.metrics import ServerMetrics
 
@@ -79,10 +79,8 @@ class Server:
                                 "shutdown_grace")
         if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
             raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
-        if max_queued_seqs is not None and (isinstance(max_queued_seqs, bool)
-                                            or not isinstance(max_queued_seqs, int) or max_queued_seqs < 1):
-            raise ProtocolError(f"max_queued_seqs must be an integer >= 1 (or None for no limit), got "
-                                f"{max_queued_seqs!r}", "max_queued_seqs")
+        if limits is not None and not isinstance(limits, ServerLimits):
+            raise ProtocolError(f"limits must be a ServerLimits, got {type(limits).__name__}", "limits")
         if protect_metrics and api_key is None:
             raise ProtocolError("protect_metrics needs an api_key to protect /metrics with",
                                 "protect_metrics")
@@ -97,8 +95,9 @@ class Server:
             raise
         prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
         self.name = served_model_name or str(model)
-        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace,
-                                  max_queued_seqs=max_queued_seqs)
+        self.exit_code = 0  # 1 once the engine failed
+        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace, limits=limits,
+                                  on_fatal=self._on_engine_failure)
         app = build_app(self.engine, self.name, api_key, protect_metrics)
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
@@ -116,12 +115,18 @@ class Server:
         return f"{self.name} on {self.url} ({device}, {dtype}, {blocks} KV blocks)"
 
     def run(self) -> int:
-        """Serve until SIGINT/SIGTERM; returns the exit status."""
+        """Serve until SIGINT/SIGTERM (status 0) or an engine failure (1); returns the exit status."""
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
             self._close()
-        return 0
+        return self.exit_code
+
+    def _on_engine_failure(self) -> None:
+        """From the engine thread, once every request in flight has its error: uvicorn lets their responses
+        go out (within its graceful-shutdown time) and exits; `run()` returns 1."""
+        self.exit_code = 1
+        self.uvicorn.should_exit = True
 
     def start(self, timeout: float = 30.0) -> Server:
         """Serve from a background thread; returns once uvicorn is up."""
@@ -164,6 +169,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any)
     for warning in server.warnings:
         print(f"nanoengine serve: warning: {warning}", file=sys.stderr, flush=True)
     code = server.run()
+    if server.engine.failure is not None:
+        print(f"nanoengine serve: the engine failed ({server.engine.failure}); exiting with status {code}",
+              file=sys.stderr, flush=True)
     print("nanoengine serve: stopped", file=sys.stderr, flush=True)
     return code
 
