@@ -9,6 +9,8 @@ Exercise 3.2: the attention metadata of a batch: decode block tables and context
 Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
 Exercise 3.5: paged prefill attention over a cached prefix.
+Exercise 3.6: paged decode attention read in place, one block at a time, with an online softmax (torch).
+Exercise 3.7: the same as a Triton kernel (`triton_paged_decode` launches it; the engine decodes with it).
 
 A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
 positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and
@@ -18,13 +20,26 @@ Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_s
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].
 (nanoengine's torch backend stores heads first, [KVH, num_blocks, block_size, D], so that one head's blocks
 are whole contiguous rows; the tests convert between the two.)
+
+Exercise 3.7 needs triton (the dev extra; Linux). Without CUDA, Triton runs kernels only in its interpreter,
+which it chooses when a kernel is *defined*: so this file switches TRITON_INTERPRET=1 on, before the kernel
+below is defined, when there is no GPU (unless you set the variable yourself).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter runs the kernel in numpy
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: only Exercise 3.7 needs it
+    triton = tl = None
 
 from nanoengine.attention import AttentionMetadata  # the attention backends' input, see its fields
 
@@ -87,3 +102,67 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     h // (H // KVH). Returns [q_len, H, D] in q's dtype.
     """
     raise NotImplementedError("Exercise 3.5: causal attention of a prefill chunk over its sequence's cached prefix and itself - see book/03_paged_kv.ipynb")
+
+
+def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Exercise 3.6: paged decode attention read in place, one KV block per tile, with an online softmax.
+
+    Same arguments and result as Exercise 3.4, but never gather a sequence's K/V into one tensor: walk its
+    block table, and for each block read k_cache[block] [block_size, KVH, D] where it lies (its first
+    context_lens[b] - j * block_size slots, for the j-th block), fold its scores into a running max m, a
+    running sum l and a running weighted sum of values acc (float32), rescaling l and acc by exp(m_old -
+    m_new) whenever the max grows; the output is acc / l. Block table entries past a sequence's blocks may be
+    -1 (never read them); a sequence with context_lens[b] == 0 (a padding row) gives zeros. Query head h uses
+    kv head h // (H // KVH). Returns [B, H, D] in q's dtype.
+    """
+    raise NotImplementedError("Exercise 3.6: paged decode attention read in place, one KV block per tile, with an online softmax - see book/03_paged_kv.ipynb")
+
+
+def jit(fn):
+    """triton.jit, or the plain function when triton is not installed (so this file still imports)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@jit
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
+                        stride_qb, stride_qh,  # q and out [B, H, D] (head_dim contiguous)
+                        stride_block, stride_slot, stride_head,  # caches [num_blocks, block_size, KVH, D]
+                        stride_table,  # block_tables [B, max_blocks]
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exercise 3.7: paged decode attention as a Triton kernel, one program per (sequence, kv head).
+
+    Program (b, kvh) = (tl.program_id(0), tl.program_id(1)) computes the output rows of query heads
+    kvh * GROUP .. kvh * GROUP + GROUP - 1 of sequence b, which all read kv head kvh: Exercise 3.6's loop
+    over the sequence's blocks, each K/V row loaded once for the whole group. Tiles are padded to powers
+    of two: BLOCK_G >= GROUP query heads, BLOCK_D >= HEAD_DIM, BLOCK_N >= BLOCK_SIZE slots; mask the padding
+    in every load and store. Element (block, slot, kvh, d) of a cache is at k_cache_ptr + block *
+    stride_block + slot * stride_slot + kvh * stride_head + d; element (b, h, d) of q or out at q_ptr +
+    b * stride_qb + h * stride_qh + d. Write the output in out's dtype; a context of 0 writes zeros.
+    """
+    raise NotImplementedError("Exercise 3.7: paged decode attention as a Triton kernel, one program per (sequence, kv head) - see book/03_paged_kv.ipynb")
+
+
+def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Launches your Exercise 3.7 kernel (given): Exercise 3.6's arguments and result, one program per
+    (sequence, kv head). The engine's decode runs this with use_exercises=["ch03"]."""
+    if triton is None:
+        raise RuntimeError("Exercise 3.7 needs triton: pip install -c constraints.txt triton (Linux)")
+    B, H, D = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)  # [B, H, D]
+    if B == 0:
+        return out
+    q = q.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share a layout"
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    group = H // kv_heads
+    paged_decode_kernel[(B, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_N=triton.next_power_of_2(block_size))
+    return out

@@ -7,7 +7,7 @@ of the engine runs unchanged around them:
 | chapter | your pieces | where they run |
 |---|---|---|
 | ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (norms, rotation); prompts' attention |
-| ch03 | slot mapping and attention metadata; K/V store, paged attention | the input builder; a backend |
+| ch03 | slot mapping and attention metadata; K/V store, Triton decode kernel, prefill | the input builder; a backend |
 | ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager, a Scheduler |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
@@ -37,7 +37,8 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = {
     "ch02": "RMSNorm, RoPE and causal GQA attention in the model's forward",
-    "ch03": "slot mapping and attention metadata, K/V store, paged decode and prefill attention",
+    "ch03": "slot mapping and attention metadata, K/V store, paged decode (a Triton kernel) and prefill "
+            "attention",
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
     "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
@@ -46,8 +47,8 @@ CHAPTERS = {
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
 PIECES = {
     "ch02": ("rms_norm", "apply_rope", "causal_gqa_attention"),
-    "ch03": ("batch_slot_mapping", "attention_metadata", "store_kv", "paged_decode_attention",
-             "paged_prefill_attention"),
+    "ch03": ("batch_slot_mapping", "attention_metadata", "store_kv", "paged_decode_kernel",
+             "triton_paged_decode", "paged_prefill_attention"),
     "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free", "admit_prompts"),
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
     "ch06": ("graph_buckets", "pick_bucket", "load_static", "StandInGraphs.__init__", "StandInGraphs.capture",

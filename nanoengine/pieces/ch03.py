@@ -1,12 +1,15 @@
 """Chapter 03's pieces in the engine: your batch slot mapping and attention metadata in the input builder,
-and an attention backend whose K/V store, paged decode attention and paged prefill attention are yours.
+and an attention backend whose K/V store, paged decode attention (your Triton kernel, 3.7) and paged prefill
+attention are yours.
 
 The backend keeps the exercises' cache layout, blocks first: k_cache, v_cache [num_blocks, block_size,
 num_kv_heads, head_dim] per layer (the engine's torch backend stores heads first; a backend declares its own
 layout with `kv_cache_shape`, and the model runner allocates what it says). It plans nothing: your functions
 read the step's slot mapping, block tables and context lengths straight from the AttentionMetadata that
 your 3.2 built. A prompt chunk with no cached prefix attends over its own tokens (chapter 02's piece, or the
-engine's); every other query attends over your blocks.
+engine's); every other query attends over your blocks. Decode runs your Exercise 3.7 kernel through the
+file's `triton_paged_decode`: compiled on CUDA, in Triton's interpreter without a GPU (the chapter file
+switches it on before defining the kernel), so a CPU run is slow but goes through the same kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from types import ModuleType
 import torch
 
 from nanoengine.attention import AttentionMetadata, AttentionPlan, TorchAttention
+from nanoengine.errors import ExerciseError
 from nanoengine.pieces.learner import check_result, piece
 
 
@@ -40,11 +44,29 @@ def attention_metadata(module: ModuleType):
     return checked
 
 
+def check_kernel_can_run(module: ModuleType) -> None:
+    """Your 3.7 kernel runs here: triton is installed, and without CUDA the kernel was defined under Triton's
+    interpreter; else an ExerciseError saying what to change."""
+    if getattr(module, "triton", None) is None:
+        raise ExerciseError("use_exercises: chapter 03's decode runs your Exercise 3.7 Triton kernel, and "
+                            f"triton is not installed ({module.__file__} could not import it): "
+                            "pip install -c constraints.txt triton (Linux), or leave 'ch03' out")
+    if not torch.cuda.is_available():
+        from nanoengine.kernels.triton_support import is_interpreted
+
+        if not is_interpreted(module.paged_decode_kernel):
+            raise ExerciseError("use_exercises: there is no GPU, so your Exercise 3.7 kernel can only run in "
+                                "Triton's interpreter, but TRITON_INTERPRET is set to something other than 1 "
+                                f"({module.__file__} sets it to 1 only when it is unset): unset it or set "
+                                "TRITON_INTERPRET=1 before building the LLM")
+
+
 def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchAttention]:
-    """`base` with the blocks-first cache layout, your store_kv, paged_decode_attention and
-    paged_prefill_attention."""
+    """`base` with the blocks-first cache layout, your store_kv, your 3.7 Triton kernel for decode (through
+    the file's triton_paged_decode) and your paged_prefill_attention."""
+    check_kernel_can_run(module)
     store_kv = piece(module, "store_kv", "ch03")
-    decode = piece(module, "paged_decode_attention", "ch03")
+    decode = piece(module, "triton_paged_decode", "ch03")
     prefill = piece(module, "paged_prefill_attention", "ch03")
 
     class LearnerPagedAttention(base):

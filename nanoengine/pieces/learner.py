@@ -47,16 +47,22 @@ def load(chapter: str, folder: Path) -> ModuleType:
     return module
 
 
+def python_function(fn: Any) -> Any:
+    """The Python function behind a @triton.jit kernel (its `fn`), or `fn` itself."""
+    return fn.fn if type(fn).__module__.startswith("triton") and callable(getattr(fn, "fn", None)) else fn
+
+
 def exercise_of(fn: Callable) -> str:
-    """The exercise a function is ("3.4"), from its docstring."""
-    m = _EXERCISE.search(inspect.getdoc(fn) or "")
+    """The exercise a function (or a Triton kernel) is ("3.4"), from its docstring."""
+    m = _EXERCISE.search(inspect.getdoc(python_function(fn)) or "")
     return m.group(1) if m else "?"
 
 
 def is_stub(fn: Callable) -> bool:
-    """Is the function's body (after its docstring) only the generated `raise NotImplementedError(...)`?"""
+    """Is the function's (or Triton kernel's) body, after its docstring, only the generated
+    `raise NotImplementedError(...)`?"""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(python_function(fn))))
     except (OSError, TypeError, SyntaxError):
         return False
     body = tree.body[0].body
