@@ -10,7 +10,8 @@ Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
 Exercise 3.5: paged prefill attention over a cached prefix.
 Exercise 3.6: paged decode attention read in place, one block at a time, with an online softmax (torch).
-Exercise 3.7: the same as a Triton kernel (`triton_paged_decode` launches it; the engine decodes with it).
+Exercise 3.7: paged decode attention as a Triton kernel, which the engine decodes with.
+(`triton_paged_decode`, given, launches it.)
 
 A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
 positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and

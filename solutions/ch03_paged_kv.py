@@ -6,7 +6,8 @@ Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
 Exercise 3.5: paged prefill attention over a cached prefix.
 Exercise 3.6: paged decode attention read in place, one block at a time, with an online softmax (torch).
-Exercise 3.7: the same as a Triton kernel (`triton_paged_decode` launches it; the engine decodes with it).
+Exercise 3.7: paged decode attention as a Triton kernel, which the engine decodes with.
+(`triton_paged_decode`, given, launches it.)
 
 A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
 positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and
@@ -185,7 +186,7 @@ def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         n = int(context_lens[b])
         qg = q[b].float().view(kv_heads, group, D)  # [KVH, group, D]: kv head j serves heads j*group ..
         m = torch.full((kv_heads, group), float("-inf"))  # running max of the scores
-        l = torch.zeros(kv_heads, group)  # running sum of exp(score - m)
+        l_i = torch.zeros(kv_heads, group)  # running sum of exp(score - m)
         acc = torch.zeros(kv_heads, group, D)  # running sum of exp(score - m) * v
         for j in range(-(-n // block_size)):
             block = int(block_tables[b, j])
@@ -196,11 +197,11 @@ def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             m_new = torch.maximum(m, scores.amax(-1))
             alpha = torch.exp(m - m_new)  # rescales what was summed under the old max (0 at the start)
             p = torch.exp(scores - m_new[..., None])  # [KVH, group, filled]
-            l = l * alpha + p.sum(-1)
+            l_i = l_i * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + torch.einsum("kgn,nkd->kgd", p, v)
             m = m_new
         if n:
-            out[b] = (acc / l[..., None]).reshape(H, D).to(q.dtype)
+            out[b] = (acc / l_i[..., None]).reshape(H, D).to(q.dtype)
     return out
     # END SOLUTION
 
@@ -241,7 +242,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     q = tl.load(q_ptr + q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
-    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of exp(score - m) * v
     for j in range(0, (context + BLOCK_SIZE - 1) // BLOCK_SIZE):  # the sequence's blocks, never the padding
         block = tl.load(block_tables_ptr + seq * stride_table + j)
@@ -255,10 +256,10 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)  # [BLOCK_G]
         p = tl.exp(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-        l = l * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [BLOCK_G, BLOCK_D]
         m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # l == 0: a context of 0 read nothing, so 0, not 0/0
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: a context of 0 read nothing: 0, not 0/0
     tl.store(out_ptr + q_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     # END SOLUTION
 

@@ -130,3 +130,27 @@ def test_use_exercises_sets_the_default_of_later_engines():
         assert llm.plan.pieces.chapters == ("ch04",)
         assert type(llm.engine.block_manager).__name__ == "LearnerBlockManager"
     assert not selected(None, None)
+
+
+def test_chapter_03_decode_needs_a_kernel_that_can_run_here(tmp_path):
+    """ch03 decodes with the learner's 3.7 Triton kernel: without triton, or (with no GPU) with a kernel not
+    defined under Triton's interpreter, building the engine says what to change."""
+    import types
+
+    import torch
+
+    from nanoengine.pieces import ch03
+
+    no_triton = types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=None, paged_decode_kernel=None)
+    with pytest.raises(ExerciseError, match="Exercise 3.7 Triton kernel, and triton is not installed"):
+        ch03.check_kernel_can_run(no_triton)
+    triton = pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        compiled = triton.runtime.jit.JITFunction(identity)  # what @triton.jit gives without the interpreter
+        with pytest.raises(ExerciseError, match="TRITON_INTERPRET"):
+            ch03.check_kernel_can_run(types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=triton,
+                                                            paged_decode_kernel=compiled))
+
+
+def identity(x):
+    return x

@@ -10,7 +10,7 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | pieces | replace |
 |---|---|
 | ch02 | the model's kernels (norms, rotary); a prompt's attention over its own tokens |
-| ch03 | the attention metadata; the K/V store, paged decode (your Triton kernel) and prefill attention (blocks-first layout) |
+| ch03 | the attention metadata; the K/V store, Triton decode kernel, prefill attention (blocks first) |
 | ch04 | the block manager's hashes, prefix lookup and freeing; the scheduler's admission |
 | ch05 | the scheduler's step; the sampler |
 | ch06 | the decode graphs (the CPU stand-in) |

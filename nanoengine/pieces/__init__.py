@@ -7,7 +7,7 @@ of the engine runs unchanged around them:
 | chapter | your pieces | where they run |
 |---|---|---|
 | ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (norms, rotation); prompts' attention |
-| ch03 | slot mapping and attention metadata; K/V store, Triton decode kernel, prefill | the input builder; a backend |
+| ch03 | slot mapping, attention metadata; K/V store, Triton decode, prefill | the input builder; a backend |
 | ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager, a Scheduler |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |

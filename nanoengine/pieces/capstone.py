@@ -7,7 +7,8 @@ runs are greedy, so every token must match; the per-step schedule (batch size, p
 blocks in use, prefix hits, preemptions) must match too, which catches a piece that is wrong without changing
 the text (a prefix lookup that never hits, a scheduler that never chunks). Chapter 07 runs your sharding in
 two processes (tensor_parallel_size=2, over gloo) against the engine in one, on tiny-qwen3 only (SmolLM2's
-9 heads do not split in two).
+9 heads do not split in two). Chapter 03 decodes with your Triton kernel; without a GPU that runs in Triton's
+interpreter, so there it runs tiny-qwen3 only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8
 MAX_TOKENS = 16
 CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2)}
 CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
+# chapter 03 decodes with the learner's Triton kernel (3.7), which without a GPU runs in Triton's interpreter:
+# there SmolLM2's 30 layers take about 90 s, tiny-qwen3's 2 about 5 s, so a CPU checks tiny-qwen3 only
+INTERPRETED_MODELS = {"ch03": ("tiny-qwen3",)}
 PACKAGE = Path(__file__).resolve().parents[1]  # nanoengine/
 
 
@@ -118,9 +122,18 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
                   f"({hits} prefix-hit tokens, {preempted} preemptions)")
 
 
+def default_models(chapter: str) -> tuple[str, ...]:
+    """The models a chapter's capstone runs on here."""
+    import torch
+
+    if chapter in INTERPRETED_MODELS and not torch.cuda.is_available():
+        return INTERPRETED_MODELS[chapter]
+    return CHAPTER_MODELS.get(chapter, MODELS)
+
+
 def capstone(chapter: str, exercises_dir: Path, models: tuple[str, ...] | None = None) -> CapstoneResult:
     """Run the chapter's capstone: the fixed workload on your pieces vs on the engine's own, per model."""
-    models = models or CHAPTER_MODELS.get(chapter, MODELS)
+    models = models or default_models(chapter)
     if chapter not in CHAPTERS:
         raise ValueError(f"{chapter} plugs no pieces into the engine; chapters with pieces: "
                          f"{', '.join(CHAPTERS)}")

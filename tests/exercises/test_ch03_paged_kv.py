@@ -2,7 +2,10 @@
 Scheduler over seeded workloads) and torch attention backend (on seeded random caches). A wrong answer is
 also compared with the classic mistakes (writing slots a prefix-cache block holds, `repeat` for GQA, a causal
 mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test also
-checks that its own checker names them."""
+checks that its own checker names them. Exercises 3.6 (online softmax over blocks, torch) and 3.7 (the same as a
+Triton kernel, in Triton's interpreter without a GPU) are checked against dense attention in float64 over ragged
+context lengths, GQA groups, padding rows and -1 padded block tables, with the online softmax's classic
+mistakes (no max subtraction, no rescaling, the last block's length, the GQA group) planted and named."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import random
 
 import pytest
 import torch
-from ex_helpers import assert_close, assert_detects, assert_equal, book, explained
+from ex_helpers import assert_close, assert_detects, assert_equal, book, explained, same_answer
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
@@ -405,3 +408,153 @@ def test_3_5_paged_prefill_over_a_cached_prefix(ex):
             return variant_prefill(q, kc, vc, table.tolist(), ctx, scale, mode)
         wrong.__name__ = mode
         assert_detects(lambda fn: check_prefill(fn, where), wrong, description)
+
+
+# ------------------------------------------------------------------------------------------ online softmax, Triton
+def variant_online(q, k_cache, v_cache, table: list[int], n: int, scale: float, mode: str) -> torch.Tensor:
+    """One sequence's decode attention [H, D] with one classic mistake of an online softmax over blocks:
+    q [H, D]; table the sequence's row of the block table (padded with -1)."""
+    H, D = q.shape
+    num_blocks, bs, kvh, _ = k_cache.shape
+    group = H // kvh
+    length = {"one_more": n + 1, "one_fewer": n - 1}.get(mode, n)
+    if mode == "mod" and n and n % bs == 0:
+        length = n - bs  # the full last block read as holding n % bs == 0 tokens
+    dtype = torch.float32 if mode == "no_max" else torch.float64  # the overflow happens in float32
+    out = torch.zeros(H, D, dtype=torch.float64)
+    if length <= 0:
+        return out.to(q.dtype)
+    pos = torch.arange(length)
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs  # [length]; a -1 entry wraps like Python's k_cache[-1]
+    for h in range(H):
+        if mode == "kv_head_h":  # the rows a kernel reads at offset h * stride_head from slot s: flat row s*KVH + h
+            rows = slots * kvh + h
+            k, v = k_cache.reshape(-1, D)[rows], v_cache.reshape(-1, D)[rows]  # [length, D]
+        else:
+            kv = h % kvh if mode == "repeat" else h // group
+            k, v = k_cache.reshape(-1, kvh, D)[slots, kv], v_cache.reshape(-1, kvh, D)[slots, kv]
+        k, v, qh = k.to(dtype), v.to(dtype), q[h].to(dtype)
+        s = k @ qh * scale  # [length]
+        if mode == "no_max":
+            p = torch.exp(s)
+            out[h] = ((p @ v) / p.sum()).double()
+        elif mode == "no_rescale":  # tile by tile, each tile's exp under the newest max, the old sums not rescaled
+            m, l, acc = torch.tensor(float("-inf"), dtype=dtype), 0.0, torch.zeros(D, dtype=dtype)
+            for t in range(0, length, bs):
+                m = torch.maximum(m, s[t:t + bs].max())
+                p = torch.exp(s[t:t + bs] - m)
+                l, acc = l + p.sum(), acc + p @ v[t:t + bs]
+            out[h] = acc / l
+        else:
+            out[h] = torch.softmax(s, 0) @ v
+    return out.to(q.dtype)
+
+
+ONLINE_MISTAKES = {
+    "no_max": "exponentiating the scores without subtracting the running max: e^s overflows float32 to inf once "
+              "a score passes about 88, and inf / inf is NaN; exp(s - m) with the running max m gives the same "
+              "softmax and never overflows",
+    "no_rescale": "a running max that does not rescale what was already summed: when a block raises the max from "
+                  "m_old to m_new, multiply the running sum l and the accumulator acc by exp(m_old - m_new) before "
+                  "adding the block's terms",
+    "one_more": "one token too many in the last block: block j holds min(block_size, context_len - j * block_size) "
+                "tokens, and the slots after them are junk",
+    "one_fewer": "one token too few in the last block: context_lens[b] counts the new token too, and it is the last "
+                 "filled slot of the last block",
+    "mod": "context_len % block_size as the last block's length: that is 0 when the last block is full, so the "
+           "block is skipped; use min(block_size, context_len - j * block_size)",
+    "kv_head_h": "reading query head h's K/V at kv head h, ignoring the grouped-query group: query heads "
+                 "h = kvh * group .. kvh * group + group - 1 all read kv head kvh = h // (H // KVH)",
+    "repeat": "kv head h % KVH for query head h (the `repeat` order): query head h reads kv head h // (H // KVH)",
+}
+
+
+def same_or_both_overflow(a, b) -> bool:
+    """A wrong answer with inf/NaN (an overflow) matches any answer with inf/NaN; else `same_answer`."""
+    if isinstance(b, torch.Tensor) and not torch.isfinite(b).all():
+        return isinstance(a, torch.Tensor) and not bool(torch.isfinite(a).all())
+    return same_answer(a, b)
+
+
+ONLINE_CASES = [  # block_size, heads, kv_heads, head_dim, context lengths (0: a padding row), logit scale
+    (4, 8, 2, 16, [6, 1, 12, 0, 9, 3], 1.0),  # GQA group 4, partly filled and full last blocks, a padding row
+    (4, 4, 1, 8, [7, 10], 100.0),  # logits in the hundreds: e^s overflows float32 without the max
+    (3, 9, 3, 8, [8, 3, 1], 1.0),  # a block size that is not a power of two, group 3 (SmolLM2's)
+    (16, 4, 2, 32, [40, 17], 1.0),  # tiny-qwen3's shape and the engine's block size
+]
+
+
+def online_case(gen, bs, heads, kv_heads, D, lens, logit_scale):
+    """Seeded caches, block tables padded with -1 (the last physical block stays unused), and q."""
+    num_blocks = 1 + sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, bs, kv_heads, D, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, D, generator=gen)
+    free = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables) + 1
+    padded = [t + [-1] * (width - len(t)) for t in tables]  # [B, width]: -1 past each sequence's blocks
+    q = torch.randn(len(lens), heads, D, generator=gen) * logit_scale
+    return q, k_cache, v_cache, padded, tables
+
+
+def check_online_decode(fn, where: str, device: str = "cpu") -> None:
+    gen = torch.Generator().manual_seed(36)
+    for bs, heads, kv_heads, D, lens, logit_scale in ONLINE_CASES:
+        q, k_cache, v_cache, padded, tables = online_case(gen, bs, heads, kv_heads, D, lens, logit_scale)
+        scale = D ** -0.5
+        got = fn(*(t.to(device) for t in (q, k_cache, v_cache, torch.tensor(padded), torch.tensor(lens))), scale)
+        shape = (f"block_size={bs}, {heads} heads, {kv_heads} kv heads, head_dim {D}, context lengths {lens}"
+                 + (f", logits up to {logit_scale:g}x larger" if logit_scale != 1 else ""))
+        if not isinstance(got, torch.Tensor) or got.shape != q.shape or got.dtype != q.dtype:
+            raise AssertionError(f"the output ({shape}) must be q's shape {tuple(q.shape)} and dtype {q.dtype}, "
+                                 f"got {type(got).__name__} {tuple(getattr(got, 'shape', ()))} "
+                                 f"{getattr(got, 'dtype', '')} {where}")
+        got = got.cpu()
+        for b, (n, table) in enumerate(zip(lens, tables)):
+            what = f"sequence {b} of context length {n} in blocks {table} ({shape})"
+            if n == 0:
+                if not bool((got[b] == 0).all()):
+                    bad = "NaN" if got[b].isnan().any() else "nonzero values"
+                    raise AssertionError(f"{what}: a padding row (context length 0) must give zeros, yours has "
+                                         f"{bad}: nothing was read, so l == 0 and acc / l would be 0 / 0; write "
+                                         f"0 there {where}")
+                continue
+            k = torch.cat([k_cache[t] for t in table])[:n]  # [n, KVH, D], contiguous: the dense oracle's input
+            v = torch.cat([v_cache[t] for t in table])[:n]
+            want = dense(q[b:b + 1], k, v, scale, torch.ones(1, n, dtype=torch.bool))[0]  # [H, D] float64
+            variants = {d: functools.partial(variant_online, q[b], k_cache, v_cache, padded[b], n, scale, m)
+                        for m, d in ONLINE_MISTAKES.items()}
+            with explained(got[b], variants, same_or_both_overflow):
+                if not bool(torch.isfinite(got[b]).all()):
+                    raise AssertionError(f"{what}: your output has inf or NaN where attention is finite "
+                                         f"(largest score {float((k.double() @ q[b].double().T).abs().max() * scale):.0f})"
+                                         f" {where}")
+                assert_close(got[b].double(), want, what + " vs dense attention in float64", where, atol=1e-5)
+
+
+def online_wrong(mode: str):
+    def wrong(q, kc, vc, tables, lens, scale):
+        return torch.stack([variant_online(q[b], kc, vc, tables[b].tolist(), int(n), scale, mode)
+                            for b, n in enumerate(lens)])
+    wrong.__name__ = mode
+    return wrong
+
+
+def assert_online_checker_names_the_mistakes(where: str) -> None:
+    for mode, description in ONLINE_MISTAKES.items():
+        assert_detects(lambda fn: check_online_decode(fn, where), online_wrong(mode), description)
+
+
+def test_3_6_online_decode_attention_reads_blocks_in_place(ex):
+    where = book(NB, "3.6")
+    check_online_decode(ex.online_decode_attention, where)
+    assert_online_checker_names_the_mistakes(where)
+
+
+def test_3_7_triton_paged_decode_kernel(ex):
+    if getattr(ex, "triton", None) is None:
+        pytest.skip("Exercise 3.7 needs triton (pip install -c constraints.txt triton; Linux)")
+    where = book(NB, "3.7")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter
+    check_online_decode(ex.triton_paged_decode, where, device)
+    assert_online_checker_names_the_mistakes(where)
