@@ -154,10 +154,10 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise RuntimeError("Exercise 3.7 needs triton: pip install -c constraints.txt triton (Linux)")
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)  # [B, H, D]
+    q = q.contiguous()
+    out = torch.empty_like(q)  # [B, H, D], q's strides
     if B == 0:
         return out
-    q = q.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share a layout"
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     group = H // kv_heads
