@@ -61,10 +61,22 @@ def check_kernel_can_run(module: ModuleType) -> None:
                                 "TRITON_INTERPRET=1 before building the LLM")
 
 
+def live_rows(context_lens: torch.Tensor) -> torch.Tensor | None:
+    """The decode rows with a context [n] (a host read), or None when every row has one."""
+    live = (context_lens > 0).nonzero().squeeze(1)
+    return None if len(live) == len(context_lens) else live
+
+
 def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchAttention]:
     """`base` with the blocks-first cache layout, your store_kv, your 3.7 Triton kernel for decode (through
-    the file's triton_paged_decode) and your paged_prefill_attention."""
+    the file's triton_paged_decode) and your paged_prefill_attention.
+
+    In Triton's interpreter every program of the grid runs in turn in NumPy, milliseconds each, and a decode
+    graph's capture (chapter 06's stand-in) runs batches of up to 256 padding rows (context 0, whose output
+    is 0 whatever the kernel): there the kernel is launched on the rows with a context only, and the padding
+    rows are zeros. Compiled, on CUDA, it gets every row, as the engine's kernels do."""
     check_kernel_can_run(module)
+    interpreted = not torch.cuda.is_available()
     store_kv = piece(module, "store_kv", "ch03")
     decode = piece(module, "triton_paged_decode", "ch03")
     prefill = piece(module, "paged_prefill_attention", "ch03")
@@ -85,8 +97,17 @@ def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchA
 
         def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
             # q [num_decode_seqs, num_heads, head_dim]
-            out = decode(q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         self.scale)
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            live = live_rows(lens) if interpreted else None
+            if live is not None:  # padding rows (interpreter only): launch on the others
+                out = torch.zeros_like(q)
+                if len(live):
+                    out[live] = self.decode_rows(q[live], tables[live], lens[live])
+                return out
+            return self.decode_rows(q, tables, lens)
+
+        def decode_rows(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            out = decode(q, self.k_cache, self.v_cache, tables, lens, self.scale)
             check_result(isinstance(out, torch.Tensor) and out.shape == q.shape, decode,
                          f"shape {tuple(getattr(out, 'shape', ()))} for q {tuple(q.shape)}; "
                          "it must return q's shape")
