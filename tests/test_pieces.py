@@ -154,3 +154,18 @@ def test_chapter_03_decode_needs_a_kernel_that_can_run_here(tmp_path):
 
 def identity(x):
     return x
+
+
+@pytest.mark.slow
+def test_chapter_03_decodes_with_the_learners_kernel(tmp_path):
+    """The capstone's decode goes through the learner's 3.7 launcher: one token too few fails it."""
+    folder = chapter_with(tmp_path, "ch03", '''
+        _right = triton_paged_decode
+
+        def triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+            """Exercise 3.7's launcher, one token too few (the new token's own K/V left out)."""
+            return _right(q, k_cache, v_cache, block_tables, (context_lens - 1).clamp_min(0), scale)
+        ''')
+    result = capstone("ch03", folder, models=("tiny-qwen3",))
+    assert not result.passed
+    assert "differs" in result.rows[0][2] and "token" in result.rows[0][2], result.rows
