@@ -74,9 +74,11 @@ def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchA
     In Triton's interpreter every program of the grid runs in turn in NumPy, milliseconds each, and a decode
     graph's capture (chapter 06's stand-in) runs batches of up to 256 padding rows (context 0, whose output
     is 0 whatever the kernel): there the kernel is launched on the rows with a context only, and the padding
-    rows are zeros. Compiled, on CUDA, it gets every row, as the engine's kernels do."""
+    rows are zeros. Compiled (CUDA), it gets every row, as the engine's kernels do."""
+    from nanoengine.kernels.triton_support import is_interpreted
+
     check_kernel_can_run(module)
-    interpreted = not torch.cuda.is_available()
+    interpreted = is_interpreted(module.paged_decode_kernel)
     store_kv = piece(module, "store_kv", "ch03")
     decode = piece(module, "triton_paged_decode", "ch03")
     prefill = piece(module, "paged_prefill_attention", "ch03")
