@@ -545,10 +545,52 @@ def assert_online_checker_names_the_mistakes(where: str) -> None:
         assert_detects(lambda fn: check_online_decode(fn, where), online_wrong(mode), description)
 
 
+def largest_copy(fn, *args) -> tuple[int, str, tuple]:
+    """Run fn(*args) and return the largest tensor any non-view op made in it: (elements, op, shape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = (0, "", ())
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            is_view = any(r.alias_info is not None for r in func._schema.returns)
+            if isinstance(out, torch.Tensor) and not is_view and out.numel() > self.found[0]:
+                self.found = (out.numel(), str(func), tuple(out.shape))
+            return out
+
+    with Largest() as mode:
+        fn(*args)
+    return mode.found
+
+
+GATHER = ("gathering a sequence's K/V into one tensor (as 3.4 does): read each block where it lies, "
+          "k_cache[block] for one block at a time, and fold it into the running m, l and acc")
+
+
+def check_reads_in_place(fn, where: str) -> None:
+    """No tensor bigger than one block per sequence for every query head: a copy of a whole sequence's K/V
+    (300 tokens here) does not fit."""
+    gen = torch.Generator().manual_seed(37)
+    bs, heads, kv_heads, D, lens = 16, 4, 2, 32, [300, 5]
+    q, k_cache, v_cache, padded, _ = online_case(gen, bs, heads, kv_heads, D, lens, 1.0)
+    bound = len(lens) * bs * heads * D
+    size, op, shape = largest_copy(fn, q, k_cache, v_cache, torch.tensor(padded), torch.tensor(lens), D ** -0.5)
+    if size > bound:
+        raise AssertionError(f"reading in place (block_size={bs}, {heads} heads, {kv_heads} kv heads, head_dim {D}, "
+                             f"context lengths {lens}): your function made a {list(shape)} tensor ({op}), more "
+                             f"than one block per sequence for every query head ({bound} elements). This looks "
+                             f"like {GATHER} {where}")
+
+
 def test_3_6_online_decode_attention_reads_blocks_in_place(ex):
     where = book(NB, "3.6")
     check_online_decode(ex.online_decode_attention, where)
+    check_reads_in_place(ex.online_decode_attention, where)
     assert_online_checker_names_the_mistakes(where)
+    assert_detects(lambda fn: check_reads_in_place(fn, where), online_wrong("gather"), GATHER)
 
 
 def test_3_7_triton_paged_decode_kernel(ex):
