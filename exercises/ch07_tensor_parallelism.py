@@ -8,15 +8,26 @@ Exercise 7.1: a rank's rows of a fused column-parallel weight (gate/up): its sha
 Exercise 7.2: a rank's fused q/k/v weight, sharded by heads (grouped-query attention aware).
 Exercise 7.3: a row-parallel linear over simulated ranks: partial products, their sum, the bias once.
 Exercise 7.4: a rank's part of a vocab-parallel embedding lookup.
+Exercise 7.5: a column-parallel linear's forward on a real rank (no communication, or an all-gather).
+Exercise 7.6: a row-parallel linear's forward on a real rank: all-reduce the partial sums, add the bias once.
+Exercise 7.7: a vocab-parallel embedding's forward on a real rank: mask, look up, zero, all-reduce.
 
-The ranks are simulated in one process: a function gets `rank` and `size` and returns what that rank would
-hold or compute. The tests compare your shards with the ones nanoengine's own layers load
+In 7.1-7.4 the ranks are simulated in one process: a function gets `rank` and `size` and returns what that
+rank would hold or compute. The tests compare your shards with the ones nanoengine's own layers load
 (`nanoengine/layers/linear.py`, `nanoengine/layers/embedding.py`).
+
+7.5-7.7 run in real processes: every rank calls your function at the same time, in a `torch.distributed`
+process group (gloo on CPU) that is already formed, and your function talks to the other ranks with
+`torch.distributed`'s collectives (`dist.get_rank()`, `dist.get_world_size()`, `dist.all_reduce`,
+`dist.all_gather`). The tests run them on two processes against the whole, unsharded layer; inside the engine
+every tensor-parallel layer's forward is yours (nanoengine/pieces/ch07.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def shard_merged_rows(weight: torch.Tensor, part_sizes: list[int], rank: int, size: int) -> torch.Tensor:
@@ -66,3 +77,40 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank
     other ranks hold, so that summing the ranks' results (the all-reduce) gives the full lookup.
     """
     raise NotImplementedError("Exercise 7.4: this rank's part of an embedding lookup over a vocabulary split in `size` equal shards - see book/07_tensor_parallelism.ipynb")
+
+
+def column_parallel_forward(x: torch.Tensor, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None,
+                            gather: bool = False) -> torch.Tensor:
+    """Exercise 7.5: a column-parallel linear's forward on this rank.
+
+    x [tokens, in_features] is the whole input (every rank has it); weight_shard [out_features / size,
+    in_features] and bias_shard [out_features / size] (or None) are this rank's output rows (rank r holds rows
+    r * out / size .. (r + 1) * out / size). Return this rank's slice of the output, [tokens, out / size],
+    with no communication; with gather=True, every rank's slice side by side in rank order, [tokens,
+    out_features], on every rank (`dist.all_gather`).
+    """
+    raise NotImplementedError("Exercise 7.5: a column-parallel linear's forward on this rank - see book/07_tensor_parallelism.ipynb")
+
+
+def row_parallel_forward(x_shard: torch.Tensor, weight_shard: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """Exercise 7.6: a row-parallel linear's forward on this rank.
+
+    x_shard [tokens, in_features / size] is this rank's slice of the input (what the column-parallel layer
+    before it produced), weight_shard [out_features, in_features / size] the matching input columns of the
+    weight, bias [out_features] (or None) the whole bias, the same on every rank. Return the whole output
+    x @ weight.T + bias [tokens, out_features] on every rank: the sum over ranks of the partial products
+    (`dist.all_reduce`), with the bias counted once.
+    """
+    raise NotImplementedError("Exercise 7.6: a row-parallel linear's forward on this rank - see book/07_tensor_parallelism.ipynb")
+
+
+def vocab_parallel_embedding_forward(ids: torch.Tensor, weight_shard: torch.Tensor) -> torch.Tensor:
+    """Exercise 7.7: a vocab-parallel embedding's forward on this rank.
+
+    ids [tokens] are token ids of the whole vocabulary (every rank has them); weight_shard [vocab / size, dim]
+    holds this rank's vocabulary rows, rank * vocab / size .. (rank + 1) * vocab / size. Return the whole
+    lookup [tokens, dim] on every rank: each rank looks up the ids it holds (at their row in its shard), zeros
+    the rows of the ids it does not, and the ranks' parts are summed (`dist.all_reduce`).
+    """
+    raise NotImplementedError("Exercise 7.7: a vocab-parallel embedding's forward on this rank - see book/07_tensor_parallelism.ipynb")

@@ -4,15 +4,26 @@ Exercise 7.1: a rank's rows of a fused column-parallel weight (gate/up): its sha
 Exercise 7.2: a rank's fused q/k/v weight, sharded by heads (grouped-query attention aware).
 Exercise 7.3: a row-parallel linear over simulated ranks: partial products, their sum, the bias once.
 Exercise 7.4: a rank's part of a vocab-parallel embedding lookup.
+Exercise 7.5: a column-parallel linear's forward on a real rank (no communication, or an all-gather).
+Exercise 7.6: a row-parallel linear's forward on a real rank: all-reduce the partial sums, add the bias once.
+Exercise 7.7: a vocab-parallel embedding's forward on a real rank: mask, look up, zero, all-reduce.
 
-The ranks are simulated in one process: a function gets `rank` and `size` and returns what that rank would
-hold or compute. The tests compare your shards with the ones nanoengine's own layers load
+In 7.1-7.4 the ranks are simulated in one process: a function gets `rank` and `size` and returns what that
+rank would hold or compute. The tests compare your shards with the ones nanoengine's own layers load
 (`nanoengine/layers/linear.py`, `nanoengine/layers/embedding.py`).
+
+7.5-7.7 run in real processes: every rank calls your function at the same time, in a `torch.distributed`
+process group (gloo on CPU) that is already formed, and your function talks to the other ranks with
+`torch.distributed`'s collectives (`dist.get_rank()`, `dist.get_world_size()`, `dist.all_reduce`,
+`dist.all_gather`). The tests run them on two processes against the whole, unsharded layer; inside the engine
+every tensor-parallel layer's forward is yours (nanoengine/pieces/ch07.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def shard_merged_rows(weight: torch.Tensor, part_sizes: list[int], rank: int, size: int) -> torch.Tensor:
@@ -95,4 +106,60 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank
     here = (local >= 0) & (local < rows)
     out = weight_shard[local.clamp(0, rows - 1)]  # [tokens, dim]
     return out * here[:, None].to(out.dtype)
+    # END SOLUTION
+
+
+def column_parallel_forward(x: torch.Tensor, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None,
+                            gather: bool = False) -> torch.Tensor:
+    """Exercise 7.5: a column-parallel linear's forward on this rank.
+
+    x [tokens, in_features] is the whole input (every rank has it); weight_shard [out_features / size,
+    in_features] and bias_shard [out_features / size] (or None) are this rank's output rows (rank r holds rows
+    r * out / size .. (r + 1) * out / size). Return this rank's slice of the output, [tokens, out / size],
+    with no communication; with gather=True, every rank's slice side by side in rank order, [tokens,
+    out_features], on every rank (`dist.all_gather`).
+    """
+    # BEGIN SOLUTION
+    local = F.linear(x, weight_shard, bias_shard)  # [tokens, out / size]
+    if not gather:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=-1)  # [tokens, out]
+    # END SOLUTION
+
+
+def row_parallel_forward(x_shard: torch.Tensor, weight_shard: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """Exercise 7.6: a row-parallel linear's forward on this rank.
+
+    x_shard [tokens, in_features / size] is this rank's slice of the input (what the column-parallel layer
+    before it produced), weight_shard [out_features, in_features / size] the matching input columns of the
+    weight, bias [out_features] (or None) the whole bias, the same on every rank. Return the whole output
+    x @ weight.T + bias [tokens, out_features] on every rank: the sum over ranks of the partial products
+    (`dist.all_reduce`), with the bias counted once.
+    """
+    # BEGIN SOLUTION
+    out = F.linear(x_shard, weight_shard)  # [tokens, out]: this rank's partial sum
+    dist.all_reduce(out)  # every rank: the sum of the partials
+    return out if bias is None else out + bias
+    # END SOLUTION
+
+
+def vocab_parallel_embedding_forward(ids: torch.Tensor, weight_shard: torch.Tensor) -> torch.Tensor:
+    """Exercise 7.7: a vocab-parallel embedding's forward on this rank.
+
+    ids [tokens] are token ids of the whole vocabulary (every rank has them); weight_shard [vocab / size, dim]
+    holds this rank's vocabulary rows, rank * vocab / size .. (rank + 1) * vocab / size. Return the whole
+    lookup [tokens, dim] on every rank: each rank looks up the ids it holds (at their row in its shard), zeros
+    the rows of the ids it does not, and the ranks' parts are summed (`dist.all_reduce`).
+    """
+    # BEGIN SOLUTION
+    rows = weight_shard.shape[0]
+    local = ids - dist.get_rank() * rows  # [tokens]: row in this shard
+    here = (local >= 0) & (local < rows)  # [tokens]: ids this rank holds
+    out = F.embedding(local.masked_fill(~here, 0), weight_shard)  # [tokens, dim]
+    out = out.masked_fill(~here[:, None], 0)  # the other ranks' ids: zeros
+    dist.all_reduce(out)
+    return out
     # END SOLUTION

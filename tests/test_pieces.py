@@ -95,6 +95,21 @@ def test_a_prefix_lookup_that_never_hits_keeps_the_text_but_fails_on_the_schedul
     assert "same text" in result.rows[0][2] and "prefix-hit tokens" in result.rows[0][2], result.rows
 
 
+@pytest.mark.slow
+def test_a_row_parallel_forward_without_its_all_reduce_fails_the_tp_capstone(tmp_path):
+    # the learner's collectives really are the engine's: a row-parallel forward that keeps its rank's
+    # partial sum changes the two-process run's tokens
+    folder = chapter_with(tmp_path, "ch07", '''
+        def row_parallel_forward(x_shard, weight_shard, bias):
+            """Exercise 7.6: the classic mistake, no all-reduce (each rank keeps its partial sum)."""
+            out = F.linear(x_shard, weight_shard)
+            return out if bias is None else out + bias
+        ''')
+    result = capstone("ch07", folder, models=("tiny-qwen3",))
+    assert not result.passed
+    assert "differs" in result.rows[0][2] and "token" in result.rows[0][2], result.rows
+
+
 def test_what_a_piece_raises_or_returns_wrongly_names_the_exercise(tmp_path):
     folder = chapter_with(tmp_path, "ch02", '''
         def rms_norm(x, weight, eps):

@@ -14,7 +14,7 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | ch04 | the block manager's hashes, prefix lookup and freeing; the scheduler's admission |
 | ch05 | the scheduler's step; the sampler |
 | ch06 | the decode graphs (the CPU stand-in) |
-| ch07 | the tensor-parallel group's sharding and vocabulary lookup |
+| ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
 """
 
 from __future__ import annotations

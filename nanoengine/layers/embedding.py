@@ -34,9 +34,7 @@ class Embedding(nn.Embedding):
         self.weight.weight_loader = vocab_rows_loader(tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, dim]
-        if self.tp.size == 1:
-            return super().forward(ids)
-        return self.tp.all_reduce(self.tp.vocab_partial(ids, self.weight))  # [num_tokens, dim]
+        return self.tp.embed(ids, self.weight)  # this rank's part, all-reduced
 
 
 class LMHead(PackableLinear):
@@ -49,4 +47,4 @@ class LMHead(PackableLinear):
 
     # [num_seqs, dim] -> [num_seqs, vocab] fp32
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.tp.gather(super().forward(hidden).float())  # [num_seqs, vocab / N] per rank, gathered
+        return self.tp.logits(hidden, self.weight, self.matmul)

@@ -144,6 +144,9 @@ class MergedLinear(PackableLinear):
                              f"checkpoint has {full}")
         param.data.narrow(0, start, size).copy_(self.tp.rows(loaded, full[0]))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out / N]
+        return self.tp.column_parallel(x, self.weight, self.bias, self.matmul)
+
 
 class RowParallelLinear(PackableLinear):
     """A projection whose input columns are split across ranks: y = all_reduce(x_here @ W_here^T) + b. With
@@ -164,5 +167,5 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(self.tp.columns(loaded, full[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / N] -> [num_tokens, out]
-        # the bias joins one rank's partial sum only, so the all-reduce adds it once
-        return self.tp.all_reduce(self.matmul(x, self.bias if self.tp.rank == 0 else None))
+        # the group's row-parallel forward: partial products all-reduced, the bias added once
+        return self.tp.row_parallel(x, self.weight, self.bias, self.matmul)

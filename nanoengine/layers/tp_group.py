@@ -2,22 +2,28 @@
 collectives a sharded model needs. Chapter 07.
 
 A layer is built with a `TPGroup` and asks it nothing else: which rows (`rows`) or columns (`columns`) of a
-checkpoint tensor this rank holds, its part of a vocab-parallel embedding lookup (`vocab_partial`); the
-row-parallel linears and the vocab-parallel embedding sum their partial results with `all_reduce`, and the LM
-head `gather`s its vocabulary shards to rank 0, where sampling happens. With `size == 1` the collectives are
-no-ops, so the single-process engine runs the same layers. (The learner's sharding, chapter 07's exercises,
-runs inside the engine as a TPGroup whose `rows`, `columns` and `vocab_partial` are theirs:
-nanoengine.pieces.)
+checkpoint tensor this rank holds when it loads, and, in its forward, the parallel forward itself:
+`column_parallel` (a local matmul on this rank's output rows, no communication), `row_parallel` (a local
+matmul on this rank's input columns, then `all_reduce` of the partial sums, the bias added once),
+`embed` (this rank's part of a vocab-parallel lookup, `vocab_partial`, then `all_reduce`) and `logits` (the
+LM head's vocabulary slice, `gather`ed to rank 0, where sampling happens). The layer passes its own `matmul`
+(its packed or bf16 fast paths) along with its weight. With `size == 1` the collectives are no-ops, so the
+single-process engine runs the same layers. (Chapter 07's exercises run inside the engine as a TPGroup whose
+sharding and forwards are the learner's: nanoengine.pieces.ch07.)
 Forming the process group itself is `nanoengine.distributed`'s job; a layer only calls the collectives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+# a layer's matmul: (x, bias or None) -> x @ weight.T (+ bias), through the layer's fast paths
+Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,32 @@ class TPGroup:
         here = (local >= 0) & (local < weight.shape[0])
         x = F.embedding(local.masked_fill(~here, 0), weight)  # [num_tokens, dim]
         return x.masked_fill(~here[:, None], 0)
+
+    def column_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        matmul: Matmul) -> torch.Tensor:
+        """A column-parallel linear's forward: x [num_tokens, in] (whole on every rank), weight [out / N, in]
+        and bias [out / N] this rank's output rows -> [num_tokens, out / N], this rank's output slice. No
+        communication: the row-parallel layer after it takes exactly that slice as its input."""
+        return matmul(x, bias)
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     matmul: Matmul) -> torch.Tensor:
+        """A row-parallel linear's forward: x [num_tokens, in / N] and weight [out, in / N] this rank's input
+        columns, bias [out] whole -> [num_tokens, out] on every rank: the all-reduced partial products, with
+        the bias once (it joins rank 0's partial sum only)."""
+        return self.all_reduce(matmul(x, bias if self.rank == 0 else None))
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A vocab-parallel embedding's forward: ids [num_tokens], weight [vocab / N, dim] this rank's rows ->
+        [num_tokens, dim] on every rank (each token's row comes from the one rank that holds it)."""
+        if self.size == 1:
+            return F.embedding(ids, weight)
+        return self.all_reduce(self.vocab_partial(ids, weight))
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, matmul: Matmul) -> torch.Tensor | None:
+        """The LM head's forward: hidden [num_seqs, dim], weight [vocab / N, dim] this rank's vocabulary rows
+        -> [num_seqs, vocab] float32 on rank 0 (None on the others), the ranks' slices side by side."""
+        return self.gather(matmul(hidden, None).float())  # [num_seqs, vocab / N] per rank, gathered
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (every rank gets the sum)."""

@@ -11,7 +11,7 @@ of the engine runs unchanged around them:
 | ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager, a Scheduler |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
-| ch07 | a rank's rows of a weight, its vocabulary shard's lookup | the TPGroup every sharded layer asks |
+| ch07 | a rank's rows of a weight; the parallel forwards, their collectives | every sharded layer's TPGroup |
 
 This module is the selection: which chapters (`chapters_of`), from which folder (`folder_of`), the process
 default `use_exercises()` sets, and `selected()`, which applies that default once, where an engine is built
@@ -42,7 +42,8 @@ CHAPTERS = {
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
     "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
-    "ch07": "a rank's shard of each weight, and its part of the vocab-parallel embedding",
+    "ch07": "a rank's shard of each weight, and the column-, row- and vocab-parallel forwards with their "
+            "collectives",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
 PIECES = {
@@ -53,7 +54,8 @@ PIECES = {
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
     "ch06": ("graph_buckets", "pick_bucket", "load_static", "StandInGraphs.__init__", "StandInGraphs.capture",
              "StandInGraphs.replay"),
-    "ch07": ("shard_merged_rows", "vocab_parallel_embedding"),
+    "ch07": ("shard_merged_rows", "column_parallel_forward", "row_parallel_forward",
+             "vocab_parallel_embedding_forward"),
 }
 # pieces inside the model's forward (their Python may read tensors on the host): eager torch-family attention,
 # no torch.compile, no CUDA graphs; the backends each can plug into, the first being the default

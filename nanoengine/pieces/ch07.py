@@ -1,12 +1,19 @@
 """Chapter 07's pieces in the engine: each rank loads its shards of the weights with your
-`shard_merged_rows` (7.1) and looks up its vocabulary shard with your `vocab_parallel_embedding` (7.4).
+`shard_merged_rows` (7.1), and every tensor-parallel layer's forward is yours: the column-parallel linears
+(q/k/v, gate/up) and the LM head run your `column_parallel_forward` (7.5), the row-parallel ones (o_proj,
+down_proj) your `row_parallel_forward` (7.6) with its all-reduce, and the embedding your
+`vocab_parallel_embedding_forward` (7.7).
 
 Every tensor-parallel layer asks its `TPGroup` which rows or columns of a checkpoint tensor its rank holds,
-and for its part of the embedding lookup; `LearnerTPGroup` answers with your functions. Rows: each part of a
-fused q/k/v or gate/up weight, the embedding and the LM head, as one-part calls of your 7.1 (q/k/v rows are
-head-major, so a rank's rows are its whole heads: what your 7.2 builds for all three at once). Columns
-(o_proj, down_proj): your 7.1 on the transposed weight. Your 7.3 simulates all ranks in one process, so it has
-no place in a real rank; the engine's row-parallel layer does the same sum with an all-reduce.
+and for its forward (nanoengine/layers/tp_group.py); `LearnerTPGroup` answers with your functions. Rows: each
+part of a fused q/k/v or gate/up weight, the embedding and the LM head, as one-part calls of your 7.1 (q/k/v
+rows are head-major, so a rank's rows are its whole heads: what your 7.2 builds for all three at once).
+Columns (o_proj, down_proj): your 7.1 on the transposed weight. The forwards get the layer's weight and bias
+and call `torch.distributed` themselves, in the process group the engine's ranks form; the LM head is your
+7.5 with gather=True, of which rank 0 keeps the logits (it samples). With one rank there is nothing to
+communicate and no process group, so the row-parallel layers, the embedding and the LM head run the engine's
+own forwards; your 7.5 runs there too (it communicates only to gather). Your 7.3 and 7.4 simulate the ranks in
+one process: the engine runs their ideas in 7.6 and 7.7.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from nanoengine.layers.tp_group import TPGroup
+from nanoengine.layers.tp_group import Matmul, TPGroup
 from nanoengine.pieces.learner import check_result, piece
 
 
@@ -26,37 +33,77 @@ def full(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
+def shape_of(out) -> tuple:
+    return tuple(getattr(out, "shape", ()))
+
+
 @dataclass(frozen=True)
 class LearnerTPGroup(TPGroup):
     shard_rows: Callable | None = None
-    lookup: Callable | None = None
+    column_forward: Callable | None = None
+    row_forward: Callable | None = None
+    embed_forward: Callable | None = None
 
     def rows(self, loaded, n: int) -> torch.Tensor:
         out = self.shard_rows(full(loaded), [n], self.rank, self.size)
         want = (n // self.size,
                 *tuple(loaded.shape if isinstance(loaded, torch.Tensor) else loaded.get_shape())[1:])
         check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.shard_rows,
-                     f"shape {tuple(getattr(out, 'shape', ()))} for rank {self.rank} of {self.size} of a "
+                     f"shape {shape_of(out)} for rank {self.rank} of {self.size} of a "
                      f"weight with {n} rows; it must be {want}")
         return out
 
     def columns(self, loaded, n: int) -> torch.Tensor:
         return self.rows(full(loaded).T, n).T  # a rank's columns are its rows of the transpose
 
-    def vocab_partial(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = self.lookup(ids, weight, self.rank, self.size)
-        check_result(isinstance(out, torch.Tensor) and out.shape == (ids.shape[0], weight.shape[1]),
-                     self.lookup,
-                     f"shape {tuple(getattr(out, 'shape', ()))} for {ids.shape[0]} ids; it must be "
-                     f"[{ids.shape[0]}, {weight.shape[1]}]")
+    def column_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        matmul: Matmul) -> torch.Tensor:
+        out = self.column_forward(x, weight, bias)  # [num_tokens, out / N]
+        want = (x.shape[0], weight.shape[0])
+        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.column_forward,
+                     f"shape {shape_of(out)} on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
+                     f"{tuple(weight.shape)}; it must be {want}")
+        return out
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     matmul: Matmul) -> torch.Tensor:
+        if self.size == 1:
+            return super().row_parallel(x, weight, bias, matmul)
+        out = self.row_forward(x, weight, bias)  # [num_tokens, out], all-reduced
+        want = (x.shape[0], weight.shape[0])
+        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.row_forward,
+                     f"shape {shape_of(out)} on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
+                     f"{tuple(weight.shape)}; it must be {want}")
+        return out
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return super().embed(ids, weight)
+        out = self.embed_forward(ids, weight)  # [num_tokens, dim], all-reduced
+        want = (ids.shape[0], weight.shape[1])
+        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.embed_forward,
+                     f"shape {shape_of(out)} on rank {self.rank} for {ids.shape[0]} ids; it must be "
+                     f"{list(want)}")
         return out.to(weight.dtype)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, matmul: Matmul) -> torch.Tensor | None:
+        if self.size == 1:
+            return super().logits(hidden, weight, matmul)
+        out = self.column_forward(hidden, weight, None, True)  # [num_seqs, vocab] on every rank
+        want = (hidden.shape[0], weight.shape[0] * self.size)
+        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.column_forward,
+                     f"shape {shape_of(out)} on rank {self.rank} with gather=True for {hidden.shape[0]} rows "
+                     f"and {self.size} weight shards {tuple(weight.shape)}; it must be {want}")
+        return out.float() if self.rank == 0 else None  # rank 0 samples
 
 
 def group_wrapper(module: ModuleType) -> Callable[[TPGroup], LearnerTPGroup]:
     """A rank's group, answering with your functions."""
     shard_rows = piece(module, "shard_merged_rows", "ch07")
-    lookup = piece(module, "vocab_parallel_embedding", "ch07")
+    column = piece(module, "column_parallel_forward", "ch07")
+    row = piece(module, "row_parallel_forward", "ch07")
+    embed = piece(module, "vocab_parallel_embedding_forward", "ch07")
 
     def wrap(group: TPGroup) -> LearnerTPGroup:
-        return LearnerTPGroup(group.rank, group.size, shard_rows, lookup)
+        return LearnerTPGroup(group.rank, group.size, shard_rows, column, row, embed)
     return wrap

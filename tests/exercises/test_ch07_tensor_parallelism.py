@@ -1,12 +1,16 @@
-"""Exercises of book/07_tensor_parallelism.ipynb, checked against the shards nanoengine's own tensor-parallel
-layers load (MergedLinear, RowParallelLinear, Embedding with a TPGroup), rank by rank, in one process: a
-stand-in group whose collectives return this rank's part is enough to read what each rank holds."""
+"""Exercises of book/07_tensor_parallelism.ipynb. 7.1-7.4 are checked against the shards nanoengine's own
+tensor-parallel layers load (MergedLinear, RowParallelLinear, Embedding with a TPGroup), rank by rank, in one
+process: a stand-in group whose collectives return this rank's part is enough to read what each rank holds.
+7.5-7.7 run on two real gloo processes (one spawn for the module, ch07_ranks.py) and are compared with the
+whole, unsharded layer in float64; planted classic mistakes check that each failure message names its
+mistake."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ex_helpers import assert_close, book
+import ch07_ranks
+from ex_helpers import assert_close, assert_detects, book, explained, looks_like
 
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.layers.embedding import Embedding
@@ -136,3 +140,147 @@ def test_7_4_vocab_parallel_embedding_matches_the_engine(ex):
             assert_close(got, want, f"rank {rank} of {size}: its part of the lookup", where)
             total += got
         assert_close(total, table[ids], f"{size} ranks: the sum of the ranks' parts", where)
+
+
+# ------------------------------------------------------------------------------ 7.5-7.7 on two real ranks
+# One spawn for the module: two gloo processes run the learner's 7.5-7.7 and the planted wrong answers
+# (ch07_ranks.py); each test compares what came back with the whole layer, computed here in float64.
+SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(ex):
+    from nanoengine.distributed.spawn import RankFailure, run_on_ranks
+
+    results = run_on_ranks(ch07_ranks.run_all, SIZE, ch07_ranks.impl_file(ex), timeout=20)
+    failed = [r for r in results if isinstance(r, RankFailure)]
+    if failed:
+        raise AssertionError("the two ranks could not run the chapter 07 checks:\n"
+                             + "\n".join(f"rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in failed))
+    return results
+
+
+def outputs(ranks, fn: str, candidate: str, where: str) -> list[dict]:
+    """Each rank's {case: output} of one candidate; an exception on any rank is raised here, named (the
+    stub's NotImplementedError as itself)."""
+    per_rank = []
+    for rank, results in enumerate(ranks):
+        got = results[fn][candidate]
+        for case, r in got.items():
+            if "error" not in r:
+                continue
+            if r["error"] == "NotImplementedError":
+                raise NotImplementedError(r["message"])
+            hint = ""
+            if fn == "vocab_parallel_embedding_forward" and r["error"] == "IndexError":
+                hint = (" An id this rank does not hold was used as a row of its shard: mask the ids outside "
+                        "the rank's range before the lookup (and zero their rows after it).")
+            elif "timed out" in r["message"].lower() or "timeout" in r["message"].lower():
+                hint = (" A rank waited in a collective its peer never reached: every rank must call the same "
+                        "collectives, in the same order, with tensors of the same shape.")
+            raise AssertionError(f"{fn} ({case}) raised {r['error']} on rank {rank}: {r['message']}.{hint} "
+                                 f"{where}\n{r['traceback']}")
+        per_rank.append({case: r["out"] for case, r in got.items()})
+    return per_rank
+
+
+def check_column(ranks, candidate: str) -> None:
+    where = book(NB, "7.5")
+    t = ch07_ranks.inputs()
+    whole = torch.nn.functional.linear(t["x"], t["col_w"], t["col_b"])  # [tokens, out]: the whole layer
+    whole_nb = torch.nn.functional.linear(t["x"], t["col_w"])
+    per_rank = outputs(ranks, "column_parallel_forward", candidate, where)
+    for rank, got in enumerate(per_rank):
+        cols = ch07_ranks.shard(ch07_ranks.COL_OUT, rank, SIZE)
+        summed = sum(whole[:, ch07_ranks.shard(ch07_ranks.COL_OUT, r, SIZE)] for r in range(SIZE))
+        with explained(got["bias"], {"the ranks' slices summed by an all-reduce: a column-parallel layer's "
+                                     "slices are different outputs, and it needs no communication": lambda: summed}):
+            assert_close(got["bias"], whole[:, cols], f"rank {rank}: its output slice (columns {cols.start}.."
+                         f"{cols.stop - 1} of the whole layer's output)", where, atol=1e-12, rtol=1e-12)
+        assert_close(got["no bias"], whole_nb[:, cols], f"rank {rank}, bias None: its output slice", where,
+                     atol=1e-12, rtol=1e-12)
+        stacked = torch.cat([whole[:, ch07_ranks.shard(ch07_ranks.COL_OUT, r, SIZE)] for r in range(SIZE)])
+        with explained(got["gathered"], {"the slices stacked along the tokens (dim 0); they are columns of one "
+                                         "output: put them side by side, along the last dim": lambda: stacked}):
+            assert_close(got["gathered"], whole, f"rank {rank}, gather=True: the whole output, every rank's "
+                         "slice in rank order", where, atol=1e-12, rtol=1e-12)
+
+
+def test_7_5_column_parallel_forward_on_two_ranks_equals_the_whole_layer(ex, ranks):
+    check_column(ranks, "yours")
+    assert_detects(lambda fn: check_column(ranks, fn.__name__), ch07_ranks.col_all_reduces_its_slice,
+                   "needs no communication")
+    assert_detects(lambda fn: check_column(ranks, fn.__name__), ch07_ranks.col_gathers_along_tokens,
+                   "along the last dim")
+
+
+def check_row(ranks, candidate: str) -> None:
+    where = book(NB, "7.6")
+    t = ch07_ranks.inputs()
+    per_rank = outputs(ranks, "row_parallel_forward", candidate, where)
+    for case, bias in (("bias", t["row_b"]), ("no bias", None)):
+        whole = torch.nn.functional.linear(t["x"], t["row_w"], bias)  # [tokens, out]: the whole layer
+        for rank, got in enumerate(per_rank):
+            cols = ch07_ranks.shard(ch07_ranks.IN, rank, SIZE)
+            partial = t["x"][:, cols] @ t["row_w"][:, cols].T  # [tokens, out]: this rank's partial sum
+            variants = {f"the bias added on every rank before the all-reduce, so the sum counts it {SIZE} "
+                        "times: add it once, after the all-reduce": lambda: whole + (SIZE - 1) * t["row_b"],
+                        "this rank's partial sum alone: the partial products were never all-reduced "
+                        "(dist.all_reduce sums them across the ranks)": lambda: partial,
+                        "this rank's partial sum plus the bias: the partial products were never all-reduced "
+                        "(dist.all_reduce sums them across the ranks)": lambda: partial + t["row_b"]}
+            if bias is None:
+                variants.pop(next(iter(variants)))
+            with explained(got[case], variants):
+                assert_close(got[case], whole, f"rank {rank}, {case}: the whole layer's output", where,
+                             atol=1e-12, rtol=1e-12)
+
+
+def test_7_6_row_parallel_forward_all_reduces_and_adds_the_bias_once(ex, ranks):
+    check_row(ranks, "yours")
+    assert_detects(lambda fn: check_row(ranks, fn.__name__), ch07_ranks.row_bias_on_every_rank,
+                   "bias added on every rank")
+    assert_detects(lambda fn: check_row(ranks, fn.__name__), ch07_ranks.row_no_all_reduce,
+                   "never all-reduced")
+
+
+def check_embedding(ranks, candidate: str) -> None:
+    where = book(NB, "7.7")
+    t = ch07_ranks.inputs()
+    table, ids, rows = t["table"], t["ids"], ch07_ranks.VOCAB // SIZE
+    whole = table[ids]  # [tokens, dim]: the whole embedding
+    owner = ids // rows  # [tokens]: the rank holding each id
+    per_rank = outputs(ranks, "vocab_parallel_embedding_forward", candidate, where)
+    for rank, got in enumerate(per_rank):
+        out = got["ids"]
+        here = owner == rank
+        part = torch.where(here[:, None], whole, torch.zeros_like(whole))  # this rank's part alone
+        clamped = sum(table[ch07_ranks.shard(ch07_ranks.VOCAB, r, SIZE)][(ids - r * rows).clamp(0, rows - 1)]
+                      for r in range(SIZE))
+        variants = {"this rank's part alone: the ranks' parts were never all-reduced (dist.all_reduce "
+                    "sums them)": lambda: part,
+                    "every rank's lookup of every id, clamped to its shard: zero the rows of the ids a rank "
+                    "does not hold before the all-reduce": lambda: clamped}
+        if (isinstance(out, torch.Tensor) and out.shape == whole.shape and not looks_like(out, variants)
+                and not torch.allclose(out, whole, atol=1e-12, rtol=1e-12)):
+            right = torch.isclose(out, whole, atol=1e-12, rtol=1e-12).all(-1)  # [tokens]
+            for r in range(SIZE):
+                mine, others = owner == r, owner != r
+                if not right[mine].all() and right[others].all():
+                    first = r * rows
+                    raise AssertionError(
+                        f"rank {rank}: ids of rank {r}'s shard ({first}..{first + rows - 1}) come out wrong and "
+                        f"the other ranks' ids right; look at the offset: id i is row i - {first} "
+                        f"(i - rank * rows) of rank {r}'s shard {where}")
+        with explained(out, variants):
+            assert_close(out, whole, f"rank {rank}: the whole lookup of ids {ids.tolist()}", where,
+                         atol=1e-12, rtol=1e-12)
+
+
+def test_7_7_vocab_parallel_embedding_forward_on_two_ranks_equals_the_whole_table(ex, ranks):
+    check_embedding(ranks, "yours")
+    for wrong, phrase in ((ch07_ranks.emb_no_offset, "look at the offset"),
+                          (ch07_ranks.emb_not_zeroed, "zero the rows"),
+                          (ch07_ranks.emb_not_masked, "mask the ids"),
+                          (ch07_ranks.emb_no_all_reduce, "never all-reduced")):
+        assert_detects(lambda fn: check_embedding(ranks, fn.__name__), wrong, phrase)
