@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from nanoengine.distributed.workers import WorkerError
 
+START_S = 30  # what a fresh rank may take to start (import torch, join the group) on a busy machine
+
 
 @dataclass(frozen=True)
 class RankFailure:
@@ -52,11 +54,12 @@ def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float =
     results: dict[int, Any] = {}
     try:
         for _ in procs:  # a rank's start (importing torch) and its work, then a collective timeout at most
-            rank, data = queue.get(timeout=timeout + 60)
+            rank, data = queue.get(timeout=timeout + START_S)
             results[rank] = pickle.loads(data)
     except Empty:
-        raise WorkerError(f"run_on_ranks: {size - len(results)} of {size} ranks sent no result within "
-                          f"{timeout + 60:.0f} s (ranks {sorted(set(range(size)) - set(results))})") from None
+        silent = sorted(set(range(size)) - set(results))
+        raise WorkerError(f"run_on_ranks: {len(silent)} of {size} ranks sent no result within "
+                          f"{timeout + START_S:.0f} s (ranks {silent})") from None
     finally:
         for p in procs:
             p.join(10)

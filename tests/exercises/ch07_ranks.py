@@ -127,19 +127,27 @@ def call(fn, args) -> dict:
         return {"error": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(limit=4)}
 
 
-def run_all(impl_path: str) -> dict:
+def run_all(impl_path: str, progress: str) -> dict:
     """On one rank: {function: {candidate: {case: {"out": tensor} or {"error": ...}}}}, the planted wrong
-    answers first (they reach every collective they start), the learner's last."""
+    answers first (they reach every collective they start), the learner's last. Before each call the rank
+    writes what it is about to run into the file progress + rank, so that a rank stuck in a collective can be
+    named."""
     rank, size = dist.get_rank(), dist.get_world_size()
     t = inputs()
     module = load(impl_path)
     results: dict = {}
+
+    def run(name: str, candidate: str, fn) -> dict:
+        out = {}
+        for case, args in cases(name, t, rank, size).items():
+            Path(f"{progress}{rank}").write_text(f"{name} ({candidate}, case {case!r})")
+            out[case] = call(fn, args)
+        return out
+
     for name, wrong in PLANTED.items():
-        results[name] = {fn.__name__: {case: call(fn, args) for case, args in cases(name, t, rank, size).items()}
-                         for fn in wrong}
+        results[name] = {fn.__name__: run(name, fn.__name__, fn) for fn in wrong}
     for name in PLANTED:
-        fn = getattr(module, name)
-        results[name]["yours"] = {case: call(fn, args) for case, args in cases(name, t, rank, size).items()}
+        results[name]["yours"] = run(name, "yours", getattr(module, name))
     return results
 
 

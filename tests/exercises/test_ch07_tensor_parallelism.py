@@ -7,14 +7,16 @@ mistake."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import ch07_ranks
 import pytest
 import torch
-import ch07_ranks
 from ex_helpers import assert_close, assert_detects, book, explained, looks_like
 
-from nanoengine.layers.tp_group import TPGroup
 from nanoengine.layers.embedding import Embedding
 from nanoengine.layers.linear import MergedLinear, RowParallelLinear
+from nanoengine.layers.tp_group import TPGroup
 
 CHAPTER = "ch07_tensor_parallelism"
 pytestmark = pytest.mark.xdist_group("ex_ch07")
@@ -149,10 +151,19 @@ SIZE = 2
 
 
 @pytest.fixture(scope="module")
-def ranks(ex):
+def ranks(ex, tmp_path_factory):
     from nanoengine.distributed.spawn import RankFailure, run_on_ranks
+    from nanoengine.distributed.workers import WorkerError
 
-    results = run_on_ranks(ch07_ranks.run_all, SIZE, ch07_ranks.impl_file(ex), timeout=20)
+    progress = str(tmp_path_factory.mktemp("ch07_ranks") / "rank")
+    try:
+        results = run_on_ranks(ch07_ranks.run_all, SIZE, ch07_ranks.impl_file(ex), progress, timeout=15)
+    except WorkerError as e:
+        where = "; ".join(f"rank {r} was running {p.read_text()}" for r in range(SIZE)
+                          if (p := Path(f"{progress}{r}")).is_file())
+        raise AssertionError(f"{e}: {where}. A rank that waits in a collective its peer never reaches waits "
+                             "forever: every rank must call the same collectives, in the same order, with tensors "
+                             f"of the same shape {book(NB, '7.5-7.7')}") from None
     failed = [r for r in results if isinstance(r, RankFailure)]
     if failed:
         raise AssertionError("the two ranks could not run the chapter 07 checks:\n"
