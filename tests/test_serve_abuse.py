@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import MODEL, Server
 
 pytestmark = [pytest.mark.xdist_group("serve-abuse"), pytest.mark.slow]
@@ -106,6 +107,11 @@ def test_each_limit_refuses_clearly_and_the_server_serves_on():
         served()
         assert httpx.get(f"{base}/health").json() == {"status": "ok"}
         wait_idle(server)
+        families = text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+        refused = {s.labels["reason"]: s.value for fam in families for s in fam.samples
+                   if s.name == "nanoengine_requests_refused_total"}
+        assert refused == {"body_too_large": 2, "n": 1, "prompt_tokens": 2, "first_token_timeout": 2,
+                           "unread_chunks": 1}, refused
 
 
 def test_an_injected_runtime_error_fails_requests_in_flight_and_the_server_exits_non_zero():

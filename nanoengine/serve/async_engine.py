@@ -166,7 +166,8 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.failure: str | None = None  # "ExceptionName: message" once a step raised
         self._fault = injected_fault()
-        self._deadlines: deque[tuple[float, RequestStream]] = deque()  # first-token deadlines, in order
+        # first-token deadlines in arrival order, with the request ids only: a finished stream is not kept
+        self._deadlines: deque[tuple[float, list[str]]] = deque()
         self.metrics = metrics or ServerMetrics(engine.config.model)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
@@ -205,6 +206,7 @@ class AsyncEngine:
         """Queue one request per prompt (or one for the conversation); raises the engine's error for a bad
         one, in which case none is queued."""
         if not self.healthy:
+            self.metrics.on_refused("unavailable")
             raise ServerBusyError(self.why_not_serving())
         n_prompts = 1 if conversation is not None else len(prompts)
         stream = RequestStream(request_id, n_prompts, params.n, self._loop)
@@ -267,6 +269,7 @@ class AsyncEngine:
                 if limit is not None and not stream.done and stream.queue.qsize() > limit:
                     log.warning("request %s: its client left %d chunks unread (--max-unread-chunks %d); "
                                 "aborted", stream.request_id, stream.queue.qsize(), limit)
+                    self.metrics.on_refused("unread_chunks")
                     self.abort(stream)  # frees its blocks; its client, should it read on, learns why:
                     stream.queue.put_nowait(Failed(ServerBusyError(
                         f"aborted: the client left more than {limit} stream chunks unread "
@@ -327,10 +330,11 @@ class AsyncEngine:
         """Fail the requests whose first-token deadline passed before their first token came."""
         timeout = self.limits.first_token_timeout_s
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, stream = self._deadlines.popleft()
-            lives = [self._live[rid] for rid in stream.request_ids if rid in self._live]
+            _, request_ids = self._deadlines.popleft()
+            lives = [self._live[rid] for rid in request_ids if rid in self._live]
             if any(live.request.metrics.first_token_time is None for live in lives):
-                self._fail_stream(stream, ServerBusyError(
+                self.metrics.on_refused("first_token_timeout")
+                self._fail_stream(lives[0].stream, ServerBusyError(
                     f"aborted: no first token within {timeout:g} s (the server's --first-token-timeout); the "
                     "server is overloaded, retry later", retry_after=max(1, round(timeout / 10))))
 
@@ -372,12 +376,14 @@ class AsyncEngine:
         limits = self.limits
         longest = max(len(r.prompt_token_ids) for r in reqs)
         if limits.max_prompt_tokens is not None and longest > limits.max_prompt_tokens:
+            self.metrics.on_refused("prompt_tokens")
             self._resolve(stream.accepted, error=ProtocolError(
                 f"a prompt of {longest} tokens is longer than this server takes (--max-prompt-tokens "
                 f"{limits.max_prompt_tokens}); shorten it", "prompt" if conversation is None else "messages"))
             return
         waiting, new = len(eng.scheduler.waiting), len(reqs) * params.n
         if limits.max_queued_seqs is not None and waiting + new > limits.max_queued_seqs:
+            self.metrics.on_refused("queue_full")
             self._resolve(stream.accepted, error=ServerBusyError(
                 f"the queue is full: {waiting} sequences wait and this request adds {new}, beyond the "
                 f"server's --max-queued-seqs {limits.max_queued_seqs}; retry later", retry_after=1))
@@ -389,7 +395,7 @@ class AsyncEngine:
             stream.request_ids.append(req.request_id)
             self.metrics.on_admitted(len(req.prompt_token_ids) * params.n)  # per sequence, as hits count
         if limits.first_token_timeout_s is not None:
-            self._deadlines.append((arrival + limits.first_token_timeout_s, stream))
+            self._deadlines.append((arrival + limits.first_token_timeout_s, stream.request_ids))
         self._resolve(stream.accepted, stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:

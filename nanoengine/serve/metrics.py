@@ -46,6 +46,8 @@ class ServerMetrics:
         self.finished = Counter("nanoengine_request_success", "finished requests", ["finish_reason"], **m)
         self.aborted = Counter("nanoengine_request_aborted", "requests aborted (client gone, or shutdown)",
                                **m)
+        self.refused = Counter("nanoengine_requests_refused", "requests refused or ended by a server limit, "
+                               "or while the server could not serve", ["reason"], **m)
         self.ttft = Histogram("nanoengine_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, **m)
         self.tpot = Histogram("nanoengine_time_per_output_token_seconds", "mean gap between a request's "
@@ -55,6 +57,11 @@ class ServerMetrics:
         info = Gauge("nanoengine_model_info", "the served model", ["model"], registry=r)
         info.labels(model=model).set(1)
         self._hits = self._prompt = self._peak = 0
+
+    def on_refused(self, reason: str) -> None:
+        """reason: body_too_large, n, prompt_tokens, queue_full, first_token_timeout, unread_chunks or
+        unavailable (shutting down, or the engine failed)."""
+        self.refused.labels(reason=reason).inc()
 
     def on_admitted(self, num_prompt_tokens: int) -> None:
         self._prompt += num_prompt_tokens

@@ -37,6 +37,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -72,6 +73,7 @@ from nanoengine.serve.protocol import (
     Usage,
 )
 from nanoengine.serve.trace_json import trace_to_dict
+from nanoengine.tokenizer import CHAT_ROLES
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -87,12 +89,56 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     max_model_len = engine.engine.plan.max_model_len
     app = FastAPI(title="nanoengine", lifespan=_lifespan(engine))
     if engine.limits.max_body_bytes is not None:
-        app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes)
+        app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes, metrics=engine.metrics)
     add_error_handlers(app)
     auth = needs_key(api_key)
     add_info_routes(app, engine, model_name, max_model_len, auth, auth if protect_metrics else [])
     add_completion_routes(app, engine, model_name, auth)
+    app.openapi = functools.partial(documented_openapi, app, model_name)
     return app
+
+
+# ------------------------------------------------------------------------------------------ OpenAPI schema
+ERROR_STATUSES = {
+    400: "a bad request: `param` names the field (a value out of range, an unknown field, a prompt too long)",
+    401: "no API key, or a wrong one (a server started with --api-key)",
+    404: "not served here",
+    413: "the request body is over --max-body-bytes",
+    500: "the engine failed while stepping; the server exits",
+    503: "busy (the queue is full, or no first token in time: see Retry-After), shutting down, or failed",
+}
+ROUTE_ERRORS = {"/health": (413, 503), "/metrics": (401, 413), "/v1/models": (401, 413),
+                "/v1/trace": (400, 401, 404, 413, 503), "/v1/completions": (400, 401, 413, 500, 503),
+                "/v1/chat/completions": (400, 401, 413, 500, 503)}
+
+
+def documented_openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
+    """FastAPI's schema, told what the routes really answer: OpenAI's error object for each status a route
+    can give (not FastAPI's 422: a bad body is a 400 here), server-sent events beside JSON for a generation,
+    Prometheus text for /metrics, and the one model name a request may ask for."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error.pop("$defs", {}), ErrorResponse=error)
+        ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, operations in schema["paths"].items():
+            for method, op in operations.items():
+                responses = op["responses"]
+                responses.pop("422", None)
+                for status in ROUTE_ERRORS.get(path, ()):
+                    responses[str(status)] = {"description": ERROR_STATUSES[status], "content": ref}
+                if method == "post":
+                    responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                if path == "/metrics":
+                    responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        for body in ("CompletionRequest", "ChatCompletionRequest"):
+            schemas[body]["properties"]["model"]["enum"] = [model_name]
+        schemas["ChatMessage"]["properties"]["role"]["enum"] = list(CHAT_ROLES)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def needs_key(api_key: str | None) -> list:
@@ -114,8 +160,8 @@ class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is 413 in OpenAI's error format, told by its
     Content-Length before a byte of it is read, or (chunked, no length) once it passes the limit."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, metrics: Any) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -140,6 +186,7 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
     async def _refuse(self, send: Callable) -> None:
+        self.metrics.on_refused("body_too_large")
         response = error_response(413, f"the request body is larger than this server takes ({self.max_bytes} "
                                        f"bytes, {ServerLimits.flag('max_body_bytes')}); send less",
                                   param=None)
@@ -267,7 +314,7 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
-        params = check_n(body.sampling_params(COMPLETIONS_MAX_TOKENS), engine.limits)
+        params = check_n(body.sampling_params(COMPLETIONS_MAX_TOKENS), engine)
         prompts = body.prompts()
         rid = engine.new_id("cmpl")
         stream = await engine.submit(prompts, params, rid)
@@ -282,7 +329,7 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         conversation = body.conversation()
-        params = check_n(body.sampling_params(None), engine.limits)
+        params = check_n(body.sampling_params(None), engine)
         rid = engine.new_id("chatcmpl")
         stream = await engine.submit([], params, rid, conversation=conversation)
         if body.stream:
@@ -296,8 +343,10 @@ def add_completion_routes(app: FastAPI, engine: AsyncEngine, model_name: str, au
         return JSONResponse(resp.model_dump())
 
 
-def check_n(params: Any, limits: ServerLimits) -> Any:
+def check_n(params: Any, engine: AsyncEngine) -> Any:
+    limits = engine.limits
     if limits.max_n is not None and params.n > limits.max_n:
+        engine.metrics.on_refused("n")
         raise ProtocolError(f"n={params.n} completions is more than this server takes in one request "
                             f"({ServerLimits.flag('max_n')} {limits.max_n}); ask for fewer", "n")
     return params
