@@ -512,3 +512,13 @@ def test_a_long_prompt_behind_a_stream_of_short_ones_starves_only_when_skipping_
     assert skip["long_prompt_wait_steps"] >= skip["stream_steps"] - 40, skip  # it starts when the stream ends
     assert fcfs["long_prompt_wait_steps"] < 50 and fcfs["short_max_wait_steps"] < 50, fcfs
     assert fcfs["steps"] == skip["steps"] and fcfs["tokens_per_step"] > 0.9 * skip["tokens_per_step"]
+
+
+def test_the_backlog_benchmark_runs_its_case():
+    """`bench --host-only --backlog` in small: the pool full, the queue left whole, every measured step the
+    running decodes only (measure_backlog raises otherwise), under both policies."""
+    from nanoengine.bench.host import measure_backlog
+
+    for policy in ("fcfs", "skip_ahead"):
+        r = measure_backlog("tiny-qwen3", 200, num_running=8, steps=5, scheduling_policy=policy)
+        assert r["num_waiting"] == 200 and r["steps"] == 5 and r["step_ms"] > 0, r

@@ -95,6 +95,19 @@ def stub_engine(model: str, async_scheduling: bool, num_blocks: int, seed: int =
     return LLMEngine(config, plan, parts, executor(plan, num_blocks, seed), load_tokenizer(path))
 
 
+def timed_steps(eng: LLMEngine, steps: int) -> list[float]:
+    """Seconds of each of `steps` engine steps, after 3 more into a steady state (eng.stats: those only)."""
+    for _ in range(3):
+        eng.step()
+    eng.stats.clear()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t)
+    return walls
+
+
 def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, seed: int = 0,
             streaming: bool = False) -> dict[str, Any]:
     """Milliseconds per decode step at `batch` running sequences (prompts uniform in 100..1024 tokens, as
@@ -116,14 +129,7 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
         eng.add(eng.make_request([rng.randrange(vocab) for _ in range(n)], params, final_only=not streaming))
     while any(s.is_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting)):
         eng.step()  # prefill every prompt (stubbed: costs only the host's part)
-    for _ in range(3):
-        eng.step()  # into steady decoding
-    eng.stats.clear()
-    walls = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t)
+    walls = timed_steps(eng, steps)
     stats = [s for s in eng.stats if s.prefill_tokens == 0 and s.num_seqs == batch]
     eng.close()
     if len(stats) < steps - 1:  # (with overlap the last one is still in flight)
@@ -143,6 +149,17 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
             "steps": len(stats), "step_ms": step_ms,
             "critical_path_ms": step_ms - wait, "phases_ms": phases,
             "median_step_ms": 1e3 * statistics.median(walls)}
+
+
+def with_json(result: dict[str, Any], out_dir: str | Path | None) -> dict[str, Any]:
+    """The result, written to out_dir as JSON named by its workload, model, CPU and torch (its path in
+    result["json_path"])."""
+    if out_dir is not None:
+        hw = result["hardware"]
+        where = _slug(hw.get("cpu") or "cpu")
+        name = f"{result['workload']}_{_slug(Path(result['model']).name)}_{where}_torch{_slug(hw['torch'])}"
+        result["json_path"] = str(write_json(result, out_dir, name))
+    return result
 
 
 def measure_backlog(model: str, num_waiting: int, num_running: int = 64, steps: int = 100, seed: int = 0,
@@ -170,14 +187,7 @@ def measure_backlog(model: str, num_waiting: int, num_running: int = 64, steps: 
     for _ in range(num_waiting):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
         eng.add(eng.make_request(prompt, SamplingParams(max_tokens=16), final_only=True))
-    for _ in range(3):
-        eng.step()
-    eng.stats.clear()
-    walls = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t)
+    walls = timed_steps(eng, steps)
     sch = eng.scheduler
     ok = all(s.num_seqs == num_running and s.prefill_tokens == 0 for s in eng.stats)
     left = len(sch.waiting)
@@ -202,12 +212,7 @@ def backlog_bench(model: str = "qwen3-0.6b-shape", waiting: tuple[int, ...] = (0
               "hardware": hardware.describe("cpu"),
               "what": "host ms per step of 64 decoding sequences on a full KV pool, with N requests waiting "
                       "that cannot start (model stubbed)"}
-    if out_dir is not None:
-        hw = result["hardware"]
-        where = _slug(hw.get("cpu") or "cpu")
-        name = f"host-only-backlog_{_slug(Path(model).name)}_{where}_torch{_slug(hw['torch'])}"
-        result["json_path"] = str(write_json(result, out_dir, name))
-    return result
+    return with_json(result, out_dir)
 
 
 def backlog_report(result: dict[str, Any]) -> str:
@@ -229,12 +234,7 @@ def host_bench(model: str = "qwen3-0.6b-shape", batches: tuple[int, ...] = (1, 3
               "hardware": hardware.describe("cpu"), "rows": rows,
               "what": "host ms per decode step of the real engine loop over a stub executor (random logits "
                       f"over {STUB_VOCAB} ids); critical path = all but waiting for the tokens"}
-    if out_dir is not None:
-        hw = result["hardware"]
-        where = _slug(hw.get("cpu") or "cpu")
-        name = f"host-only_{_slug(Path(model).name)}_{where}_torch{_slug(hw['torch'])}"
-        result["json_path"] = str(write_json(result, out_dir, name))
-    return result
+    return with_json(result, out_dir)
 
 
 def report(result: dict[str, Any]) -> str:
