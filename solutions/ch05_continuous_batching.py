@@ -55,28 +55,31 @@ def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out
 def schedule(sched: Scheduler) -> SchedulerOutput:
     """Exercise 5.2: one scheduling step; the same decisions as `Scheduler.schedule`.
 
-    budget = sched.max_num_batched_tokens tokens for the whole step. Two passes:
+    The rules a step obeys (the tests compare its output and the state it leaves with the engine's):
 
-    1. Running sequences, in order (oldest first). Each asks for n = min(tokens not yet computed, budget)
-       tokens: 1 for a decode, the rest of the prompt (capped) for a chunked prefill. Skip it when n is 0.
-       When it needs new blocks (`block_manager.blocks_needed(seq, n)`) and they are not free, call your
-       `preempt_until_fits`; if that preempted `seq` itself, stop the pass. Allocate, register the blocks
-       that become full (`cache_full_blocks(seq, num_computed_tokens + n)`), schedule
-       `ScheduledSeq(seq, n, seq.is_prefill)` and take n from the budget. Stop when the budget is 0.
-    2. Waiting sequences, in queue order, only if this step preempted nothing, while budget > 0 and fewer
-       than sched.max_num_seqs run:
-       - an n>1 sibling (`seq.wait_for` set, not finished, and its prompt not yet all computed) is skipped;
-       - prefix-cache hits: `hits = block_manager.match_prefix(seq)` (seq's block table is empty); set
-         `num_cached_tokens = hits` and `num_computed_tokens = min(hits, seq.num_tokens - 1)`: the last token
-         is always computed, since its logits give the next token;
-       - n = min(tokens not yet computed, budget); if the blocks for n tokens are not free, undo the hit
-         (`block_manager.free(seq)`, computed and cached back to 0) and stop admitting for this step
-         (first come, first served: nothing overtakes a request that does not fit, as in vLLM v1);
-       - otherwise note `is_prefill = seq.is_prefill`, allocate, `cache_full_blocks(seq, computed + n)`,
-         move it from waiting to the end of running (status RUNNING), schedule it, append (seq_id, hits)
-         to `out.cache_hits`, take n from the budget.
-    Record every allocated block id in `out.blocks_allocated` and the tokens used in
-    `out.num_batched_tokens`.
+    - Budget: the step computes at most `sched.max_num_batched_tokens` tokens in all. A scheduled sequence
+      computes as many of its not-yet-computed tokens as the budget still allows (a decode: 1; a prompt: the
+      rest of it, cut to the budget: chunked prefill). A sequence with nothing to compute is not scheduled;
+      nothing is tried once the budget is spent.
+    - Order: running sequences before waiting ones; running oldest first (the order of `sched.running`),
+      waiting in queue order.
+    - Room: a sequence's tokens are scheduled only with their blocks allocated. A running sequence that needs
+      new blocks (`block_manager.blocks_needed`) makes room with your `preempt_until_fits` first; if that
+      preempted the sequence itself, no later running sequence is scheduled in this step.
+    - Admission happens only in a step that preempted nothing, and only while fewer than
+      `sched.max_num_seqs` sequences run. An admitted sequence starts from its prefix-cache hits
+      (`block_manager.match_prefix`, kept in `num_cached_tokens`) but always computes its last prompt token,
+      whose logits give its first new token; it joins the end of `sched.running`, RUNNING.
+    - First come, first served: the first waiting sequence whose blocks do not fit ends admission for the
+      step; its hits are given back (`block_manager.free`) and its token counts reset to 0. An n>1 sibling
+      whose first completion (`seq.wait_for`, unfinished) has not computed its whole prompt is passed over,
+      without ending admission.
+    - Sharing within the step: the blocks a sequence fills are registered in the prefix cache as soon as it
+      is scheduled (`block_manager.cache_full_blocks(seq, its computed tokens after this step)`), so a later
+      admission in the same step hits them.
+    - Output: `ScheduledSeq(seq, n, is_prefill)` in the order scheduled, `is_prefill` as it was before the
+      step; `preempted` and `blocks_freed` from your 5.1; every allocated block id in `blocks_allocated`;
+      `(seq_id, hit tokens)` per admitted sequence in `cache_hits`; the tokens used in `num_batched_tokens`.
     """
     # BEGIN SOLUTION
     bm = sched.block_manager
