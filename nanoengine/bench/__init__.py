@@ -6,4 +6,6 @@
 - `metrics`: percentiles, TTFT / TPOT, per-step engine numbers;
 - `peers`: transformers static batches, vLLM and nano-vllm (GPU only);
 - `run`: one run of the engine and its peers; `report`: table and JSON; `plots`: the figure.
+- `token_budget` (chapter 05): TTFT and ITL against `max_num_batched_tokens`, decode-first beside a
+  prefill-first illustration.
 """
