@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import types
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class ChapterResult:
                 lines.append(f"         -> {n} uses your {', '.join(needs)}, still todo")
             first_fail = next((t for t in tests if t.outcome == "fail"), None)
             if first_fail is not None:
-                lines.append(f"         -> {first_fail.name}: {_shorten(first_fail.message, 300)}")
+                lines.extend(render_failure(first_fail.name, first_fail.message))
         done = sum(self.status(n) == "PASS" for n in numbers)
         lines.append(f"{done} of {len(numbers)} exercises pass.")
         if self.capstone is not None:
@@ -113,6 +114,71 @@ def _stub_of(message: str) -> str | None:
 def _shorten(text: str, n: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# A state dump inside a failure message: a bracketed span that opens with words ("[state before: ...",
+# "[case 3: ...", "[temperatures ...", "[seq 4: ..."), unlike a value's repr ("[(4, 1, False)]", "[True]").
+_DUMP_START = re.compile(r"\[[a-z][a-z_]*[ :]")
+_HINT = re.compile(r"This looks like .*?\.(?=\s*(?:This looks like|\(|$))", re.S)
+_JUNIT_CUT = re.compile(r"\n\[(?:truncated|\+\d+ more lines?); full report in element text\]$")
+DUMP_CHARS = 240  # what is kept of a state dump; the difference and the hints are never cut
+LEAD_CHARS = 900  # what is kept of the text between hints, should a difference be a huge repr
+
+
+def _full_message(message: str, text: str) -> str:
+    """The whole failure message: junit's attribute cuts long ones, its element text (--tb=line: the
+    message's lines as "E   ..." or a "file.py:12: ..." line) holds all of it."""
+    if not _JUNIT_CUT.search(message) or not text.strip():
+        return message
+    lines = [line[4:] if line.startswith("E   ") else re.sub(r"^\S+\.py:\d+: ", "", line)
+             for line in text.strip().splitlines()]
+    return "\n".join(lines)
+
+
+def _dumps(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each state dump in `text`, brackets balanced."""
+    spans, i = [], 0
+    while (m := _DUMP_START.search(text, i)) is not None:
+        depth, j = 0, m.start()
+        for j in range(m.start(), len(text)):
+            depth += {"[": 1, "]": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+        spans.append((m.start(), j + 1))
+        i = j + 1
+    return spans
+
+
+def split_failure(message: str) -> tuple[str, str]:
+    """(lead, detail) of a failure message. The lead is what to read first: the message without its state
+    dumps, so the difference and every "This looks like ..." sentence come whole, in the message's order; the
+    detail is the state dumps, each cut to DUMP_CHARS.
+
+    "schedule() at step 19 [state before: ...]: scheduled ...: yours ..., expected .... This looks like ..."
+    leads with "schedule() at step 19: scheduled ...: yours ..., expected .... This looks like ...", and the
+    state follows it."""
+    text = " ".join(message.split()).removeprefix("AssertionError: ")
+    dumps = [text[a:b] for a, b in _dumps(text)]
+    lead = text
+    for dump in dumps:
+        lead = lead.replace(dump, "")
+    lead = " ".join(lead.split()).replace(" :", ":").replace(" .", ".")
+    pieces, at = [], 0
+    for m in _HINT.finditer(lead):  # cut (only in a pathological case) what lies between the hints
+        pieces += [_shorten(lead[at:m.start()], LEAD_CHARS), m.group(0)]
+        at = m.end()
+    lead = " ".join(p for p in [*pieces, _shorten(lead[at:], LEAD_CHARS)] if p)
+    detail = " ".join(d if len(d) <= DUMP_CHARS else d[:DUMP_CHARS - 5] + " ...]" for d in dumps)
+    return lead, detail
+
+
+def render_failure(name: str, message: str, width: int = 110) -> list[str]:
+    """The table's lines for a failed test: the difference and the hints first, whole; then the detail."""
+    lead, detail = split_failure(message)
+    lines = textwrap.wrap(f"-> {name}: {lead}", width, initial_indent=" " * 9, subsequent_indent=" " * 12,
+                          break_on_hyphens=False)
+    return lines + textwrap.wrap(detail, width, initial_indent=" " * 12, subsequent_indent=" " * 12,
+                                 break_on_hyphens=False)
 
 
 def _chapter_files(chapter: str | int) -> tuple[str, list[Path]]:
@@ -151,7 +217,7 @@ def _parse_junit(path: Path) -> list[TestResult]:
             problem = case.find("error")
         skipped = case.find("skipped")
         if problem is not None:
-            message = problem.get("message") or (problem.text or "")
+            message = _full_message(problem.get("message") or "", problem.text or "")
             outcome = "todo" if "NotImplementedError" in message else "fail"
             results.append(TestResult(name, exercise, outcome, message))
         elif skipped is not None:
