@@ -11,6 +11,17 @@ from hypothesis import settings
 
 from nanoengine import assets
 
+# Triton runs on CPU only in its interpreter, chosen when `triton.language` is first imported: set it for
+# the whole run before anything imports triton, or the tests that run a kernel would depend on the order
+# (chapter 03's file sets it too, but only before its own kernel, too late if torch.compile came first)
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 # Two pytest-xdist workers on two cores: one torch thread each. Two OpenMP threads per worker fight over
 # the cores and make every matmul ~40x slower (measured: a 576x1728 bf16 linear, 0.13 ms -> 6 ms).
 if os.environ.get("PYTEST_XDIST_WORKER"):

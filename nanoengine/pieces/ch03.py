@@ -59,6 +59,11 @@ def check_kernel_can_run(module: ModuleType) -> None:
                                 "Triton's interpreter, but TRITON_INTERPRET is set to something other than 1 "
                                 f"({module.__file__} sets it to 1 only when it is unset): unset it or set "
                                 "TRITON_INTERPRET=1 before building the LLM")
+        if not is_interpreted(module.tl.zeros):
+            raise ExerciseError("use_exercises: there is no GPU, so your Exercise 3.7 kernel runs in Triton's "
+                                "interpreter, but triton was imported before TRITON_INTERPRET=1 was set (by "
+                                "torch.compile, say), so triton.language is not interpreted: restart the "
+                                "kernel (or process) and set TRITON_INTERPRET=1 before anything else")
 
 
 def live_rows(context_lens: torch.Tensor) -> torch.Tensor | None:
