@@ -60,7 +60,7 @@ def check_kernel_can_run(module: ModuleType) -> None:
                                 f"({module.__file__} sets it to 1 only when it is unset): unset it or set "
                                 "TRITON_INTERPRET=1 before building the LLM")
         if not is_interpreted(module.tl.zeros):
-            raise ExerciseError("use_exercises: there is no GPU, so your Exercise 3.7 kernel runs in Triton's "
+            raise ExerciseError("use_exercises: no GPU, so your Exercise 3.7 kernel runs in Triton's "
                                 "interpreter, but triton was imported before TRITON_INTERPRET=1 was set (by "
                                 "torch.compile, say), so triton.language is not interpreted: restart the "
                                 "kernel (or process) and set TRITON_INTERPRET=1 before anything else")
