@@ -171,6 +171,69 @@ def test_roofline_costs_by_hand():
     assert r["fraction_of_compute_bound"] == pytest.approx(0.25)  # engine 0.5 tok/s of 2 tok/s
 
 
+def test_decode_step_cost_by_hand():
+    from nanoengine.bench.roofline import decode_step_cost
+
+    # two sequences with contexts 4 and 1: each feeds one token through the layers and the LM head
+    c = decode_step_cost(TINY, [4, 1])
+    assert c["flops_linear"] == 2 * 144 * 2 and c["flops_lm_head"] == 2 * 40 * 2
+    assert c["flops_attention"] == 4 * 1 * 2 * 2 * (4 + 1) and c["flops"] == 576 + 160 + 80
+    assert c["bytes_weights"] == 392  # once for the whole step
+    assert c["bytes_kv_read"] == 8 * (4 + 1) and c["bytes_kv_write"] == 8 * 2 and c["bytes"] == 392 + 40 + 16
+    assert c["output_tokens"] == 2 and c["num_steps"] == 1 and c["processed_positions"] == 2
+    with pytest.raises(ValueError, match=">= 1"):
+        decode_step_cost(TINY, [3, 0])
+    r = roofline(c, gemm_gflops=816e-9, memory_gbs=448e-9)  # no measured time: bounds only
+    assert r["compute_bound_s"] == pytest.approx(1.0) and r["memory_bound_s"] == pytest.approx(1.0)
+    assert r["achieved_fraction_of_limit"] is None and r["fraction_of_compute_bound"] is None
+
+
+def test_assumed_machines_and_the_engines_shape():
+    from nanoengine.bench.roofline import LAPTOP_CPU, RTX_4070_LAPTOP, engine_shape
+
+    assert RTX_4070_LAPTOP.memory_gbs == 128 / 8 * 16  # 128-bit bus, 16 Gb/s per pin
+    assert RTX_4070_LAPTOP.gemm_gflops == pytest.approx(36_864)
+    assert RTX_4070_LAPTOP.balance == pytest.approx(144)
+    assert LAPTOP_CPU.memory_gbs == pytest.approx(2 * 8 * 5.6) and LAPTOP_CPU.gemm_gflops == 8 * 2 * 8 * 2 * 3
+    cfg = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=2, intermediate_size=8, vocab_size=10, tie_word_embeddings=True)
+    plan = SimpleNamespace(hf_config=cfg, torch_dtype=SimpleNamespace(itemsize=4), bf16_weight_rows=0)
+    assert engine_shape(plan) == dataclasses.replace(TINY, dtype_bytes=4)
+    plan.bf16_weight_rows = 256  # float32 activations, linears streamed as bf16 copies
+    assert engine_shape(plan) == dataclasses.replace(TINY, dtype_bytes=4, weight_dtype_bytes=2)
+
+
+@pytest.mark.xdist_group("tiny")
+def test_decode_points_one_per_batch_at_the_contexts_the_engine_ran():
+    """decode_points' FLOPs and bytes are those of steps at the contexts the trace records (every sequence
+    of a decode step at num_computed_before = prompt + i), its times the gaps between the steps' ends."""
+    from nanoengine import LLM
+    from nanoengine.bench.decode_batches import decode_points
+    from nanoengine.bench.roofline import engine_shape
+
+    llm = LLM("tiny-qwen3", num_kvcache_blocks=64, trace=True)
+    shape = engine_shape(llm.plan)
+    pts = decode_points(llm, batch_sizes=(3,), prompt_len=5, steps=4)
+    decodes = [s for s in llm.trace.steps if s.decode_tokens]
+    assert [s.stats.num_seqs for s in decodes] == [3] * 4
+    assert [sorted({e.num_computed_before for e in s.scheduled}) for s in decodes] == [[5], [6], [7], [8]]
+    (p,) = pts
+    per_seq = 2 * (shape.linear_params + shape.lm_head_params)
+    contexts = [7, 8, 9]  # the three timed steps (the first decode step follows the prefill: not timed)
+    flops = [3 * per_seq + 3 * 4 * shape.layers * shape.heads * shape.head_dim * c for c in contexts]
+    nbytes = [shape.weight_bytes_per_step + 3 * shape.kv_bytes_per_position * (c + 1) for c in contexts]
+    assert p["batch"] == 3 and p["flops"] == pytest.approx(sum(flops) / 3)
+    assert p["bytes"] == pytest.approx(sum(nbytes) / 3)
+    assert p["intensity"] == pytest.approx(p["flops"] / p["bytes"])
+    ends = [s.time for s in decodes]
+    assert p["step_times_s"] == pytest.approx([b - a for a, b in zip(ends, ends[1:])])
+    assert p["step_s"] == pytest.approx(sorted(p["step_times_s"])[1])
+    assert p["gflops"] == pytest.approx(p["flops"] / p["step_s"] / 1e9)
+    with pytest.raises(ValueError, match="does not fit in one step"):
+        decode_points(LLM("tiny-qwen3", num_kvcache_blocks=64, max_num_batched_tokens=8), batch_sizes=(2,),
+                      prompt_len=5)
+
+
 def test_model_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen3_path):
     from safetensors import safe_open
     from transformers import AutoConfig

@@ -29,7 +29,7 @@ from nanoengine.bench.metrics import request_latencies, step_series, step_summar
 from nanoengine.bench.peers import parse_peers, run_peers
 from nanoengine.bench.plots import save_plot
 from nanoengine.bench.report import report, write_json
-from nanoengine.bench.roofline import ModelShape, roofline, shape_dict, workload_cost
+from nanoengine.bench.roofline import engine_shape, roofline, shape_dict, workload_cost
 from nanoengine.bench.step_profile import single_stream
 from nanoengine.bench.workload import Workload, make_workload, poisson_arrivals
 
@@ -177,10 +177,7 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
     eng = run_online(llm, wl, request_rate, seed, quiet) if online else run_engine(llm, wl, quiet)
     result["nanoengine"] = eng
     result["peak_memory"] = peak_memory(device)
-    # decode steps stream the linears' bf16 copies where the engine keeps them
-    # (a bf16 checkpoint in float32 on CPU)
-    weight_bytes = 2 if plan.bf16_weight_rows else None
-    shape = ModelShape.from_hf_config(plan.hf_config, plan.torch_dtype.itemsize, weight_bytes)
+    shape = engine_shape(plan)
     cost = workload_cost(shape, wl.prompt_lens, wl.output_lens, eng["steps"]["num_steps"],
                          eng["cached_tokens"])
     result["model_shape"] = shape_dict(shape)
