@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from nanoengine import SamplingParams
 from nanoengine.bench.roofline import decode_step_cost, engine_shape
 
 BATCH_SIZES = (1, 4, 16, 64)
@@ -28,8 +29,6 @@ def decode_points(llm: Any, batch_sizes: Sequence[int] = BATCH_SIZES, prompt_len
                   seed: int = 0) -> list[dict[str, Any]]:
     """One dict per batch size: batch, step_s (median), step_times_s, flops and bytes per step (the mean
     over the timed steps), intensity (FLOP/byte) and gflops achieved (see the module docstring)."""
-    from nanoengine import SamplingParams
-
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the gaps between decode steps are timed), got {steps}")
     plan = llm.plan
@@ -45,8 +44,9 @@ def decode_points(llm: Any, batch_sizes: Sequence[int] = BATCH_SIZES, prompt_len
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]} for _ in range(b)]
         llm.generate(prompts, params, use_tqdm=False)
         stats = [s for s in llm.engine.stats if s.num_seqs]
-        first, decodes = stats[0], stats[1:]
-        if first.prefill_tokens != b * prompt_len or [s.decode_tokens for s in decodes] != [b] * steps:
+        first = stats[0]
+        decodes = [s for s in stats[1:] if s.prefill_tokens == 0 and s.decode_tokens == b]
+        if first.prefill_tokens != b * prompt_len or len(decodes) != steps:
             raise RuntimeError(f"batch {b}: expected one prefill of {b * prompt_len} tokens, then {steps} "
                                f"decode steps of {b}; got prefill {[s.prefill_tokens for s in stats]}, "
                                f"decode {[s.decode_tokens for s in stats]} (not enough KV blocks?)")
