@@ -165,6 +165,16 @@ def test_chapter_03_decode_needs_a_kernel_that_can_run_here(tmp_path):
         with pytest.raises(ExerciseError, match="TRITON_INTERPRET"):
             ch03.check_kernel_can_run(types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=triton,
                                                             paged_decode_kernel=compiled))
+        # the kernel interpreted, but triton.language imported before the interpreter was on (torch.compile
+        # first, say): its own jit functions (tl.zeros) are compiled ones, which the interpreter cannot call
+        interpreted = triton.runtime.interpreter.InterpretedFunction(identity)
+        tl = types.SimpleNamespace(zeros=compiled)
+        with pytest.raises(ExerciseError, match="triton was imported before TRITON_INTERPRET=1"):
+            ch03.check_kernel_can_run(types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=triton, tl=tl,
+                                                            paged_decode_kernel=interpreted))
+        ch03.check_kernel_can_run(types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=triton,
+                                                        tl=types.SimpleNamespace(zeros=interpreted),
+                                                        paged_decode_kernel=interpreted))
 
 
 def identity(x):
