@@ -318,6 +318,45 @@ def test_the_driver_exiting_or_interrupted_leaves_no_orphan(how, tmp_path):
     assert not os.path.exists(f"/proc/{worker}"), f"worker {worker} outlived its driver ({how})"
 
 
+UNGUARDED = """
+from nanoengine import LLM, SamplingParams
+llm = LLM("tiny-qwen3", tensor_parallel_size=2)
+out = llm.generate(["Once upon a time", "The capital of"], SamplingParams(temperature=0, max_tokens=8),
+                   use_tqdm=False)
+print("TOKENS", [o.outputs[0].token_ids for o in out], flush=True)
+
+
+def num_blocks(runner):
+    return runner.num_blocks
+
+
+try:
+    llm.collective_rpc(num_blocks)
+except ValueError as e:
+    print("RPC", e, flush=True)
+"""
+
+
+def test_a_script_that_builds_a_tp_llm_at_top_level_works(tmp_path):
+    """No `if __name__ == "__main__":` (as vLLM users write scripts): the workers run their own program, so
+    the script is not imported again in them; its tokens equal one process's. A function defined in the script
+    cannot reach them by name: collective_rpc says so."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = next(line for line in run.stdout.splitlines() if line.startswith("TOKENS"))
+    with LLM("tiny-qwen3") as llm:
+        out = llm.generate(["Once upon a time", "The capital of"],
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert got == f"TOKENS {[o.outputs[0].token_ids for o in out]}"
+    assert "RPC collective_rpc: 'num_blocks' is defined in your script (__main__)" in run.stdout, run.stdout
+    assert no_children_within(5) == []
+
+
 def test_two_live_tp_engines_in_one_process_are_refused_clearly():
     with LLM("tiny-qwen3", tensor_parallel_size=2):
         with pytest.raises(RuntimeError,

@@ -2,10 +2,12 @@
 when one fails, and stop them. Chapter 07.
 
 Rank 0 is the user's process: it schedules, builds the inputs and samples (`distributed/executor.py` drives
-the ranks). `Workers` spawns ranks 1..N-1, each running `worker_main`: join the process group, assemble the
-same parts from the plan it is sent (the learner's pieces included), build its ModelRunner (its shard of the
-model and KV cache), then run whatever rank 0 sends, in the same order. A step is sent once per worker,
-pickled whole, over a pipe (no size limit, no shared-memory names to clash), and every rank then runs it in
+the ranks). `Workers` starts ranks 1..N-1 as their own program (`python -m nanoengine.distributed.worker`,
+so the user's script is not imported again there), each running `worker_main`: join the process group,
+assemble the same parts from the plan it is sent (the learner's pieces included), build its ModelRunner
+(its shard of the model and KV cache), then run whatever rank 0 sends, in the same order. A step is sent once
+per worker, pickled whole, over a socket pair (no size limit, no shared-memory names to clash), and every
+rank then runs it in
 lockstep: the all-reduces inside the forward keep them together.
 
 Failure is loud and quick:
@@ -24,14 +26,17 @@ import dataclasses
 import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +46,7 @@ from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT,
 from nanoengine.engine.executor import call_on
 from nanoengine.engine.model_runner import ModelRunner
 from nanoengine.engine.parts import assemble
+from nanoengine.errors import InvalidValueError
 
 HOST = "127.0.0.1"  # every rank on this machine (see the README for spanning machines)
 SHUTDOWN = "shutdown"
@@ -85,6 +91,50 @@ def sigint_held() -> Iterator[None]:
                 raise KeyboardInterrupt
 
 
+class WorkerProcess:
+    """A worker started as its own program (subprocess.Popen), seen as a multiprocessing.Process is: `pid`,
+    `sentinel` (a descriptor that turns readable when it ends: Linux's pidfd; None elsewhere, where its end is
+    noticed by its socket closing), `is_alive`, `join`, `kill`, `exitcode` (negative: killed by a signal)."""
+
+    def __init__(self, rank: int, plan: Any, port: int, threads: int) -> None:
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        fd = theirs.detach()
+        package_root = str(Path(__file__).resolve().parents[2])  # importable there as it is here
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root,
+                                                                      os.environ.get("PYTHONPATH")) if p)}
+        try:
+            self.popen = subprocess.Popen([sys.executable, "-m", "nanoengine.distributed.worker", str(fd)],
+                                          pass_fds=(fd,), env=env)
+        finally:
+            os.close(fd)
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        data = pickle.dumps((plan, rank, port, threads), protocol=pickle.HIGHEST_PROTOCOL)
+        self.conn.send_bytes(pickle.dumps((list(sys.path), data)))
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def close(self) -> None:
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+
 def describe_exit(rank: int, proc: Any) -> str:
     code = proc.exitcode
     if code is None:
@@ -109,6 +159,7 @@ def stop(procs: list, conns: list[Connection], threads: int) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+        proc.close()
     for conn in conns:
         conn.close()
     if dist.is_initialized():
@@ -133,16 +184,11 @@ class Workers:
         torch.set_num_threads(threads)  # on CPU the ranks share the cores
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)  # port 0: the OS picks a free one
-        ctx = get_context("spawn")
-        for rank in range(1, self.size):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"nanoengine-tp-rank{rank}", daemon=True,
-                               args=(plan, rank, self.store.port, there, threads))
-            proc.start()
-            there.close()
-            self.procs.append(proc)
-            self.conns.append(here)
         try:
+            for rank in range(1, self.size):
+                proc = WorkerProcess(rank, plan, self.store.port, threads)
+                self.procs.append(proc)
+                self.conns.append(proc.conn)
             for i in range(len(self.procs)):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
             self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size,
@@ -162,6 +208,11 @@ class Workers:
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
         """Send one call to every worker (tensors travel by value, through host memory)."""
         self.check()
+        if callable(method) and getattr(method, "__module__", None) == "__main__":
+            raise InvalidValueError(
+                f"collective_rpc: {getattr(method, '__qualname__', method)!r} is defined in your script "
+                "(__main__), which the workers, their own program, do not import (pickle sends functions by "
+                "name); define it in a module you import, or pass a ModelRunner method's name")
         data = pickle.dumps((method, to_device(args, "cpu", copy=True), reply),
                             protocol=pickle.HIGHEST_PROTOCOL)
         for i, conn in enumerate(self.conns):
@@ -177,7 +228,7 @@ class Workers:
     def receive(self, i: int, timeout: float | None = None, starting: bool = False) -> tuple:
         """Worker i's next message; a WorkerError if it sent an error, ended, or was silent for `timeout`."""
         conn, proc, rank = self.conns[i], self.procs[i], i + 1
-        ready = wait([conn, proc.sentinel], timeout)
+        ready = wait([x for x in (conn, proc.sentinel) if x is not None], timeout)
         msg = None
         if conn in ready:
             try:
@@ -192,8 +243,8 @@ class Workers:
             proc.join(1 if ready else 0)
             why = describe_exit(rank, proc) + ("" if ready else f" (no answer within {timeout} s)")
             if starting:
-                why += (" while starting. Workers are spawned: a script that builds a tensor-parallel LLM at "
-                        "top level must do so under `if __name__ == \"__main__\":`")
+                why += (" while starting (`python -m nanoengine.distributed.worker`: its own error, if any, "
+                        "is printed above)")
         raise self.broken(WorkerError(why))
 
     def check(self) -> None:
@@ -233,7 +284,7 @@ class Workers:
 
     def failed_worker(self, within_s: float) -> WorkerError | None:
         """The error of a worker that has failed, or fails within `within_s` seconds; None if all are well."""
-        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+        sentinels = {p.sentinel: i for i, p in enumerate(self.procs) if p.sentinel is not None}
         conns = {id(c): i for i, c in enumerate(self.conns)}
         for obj in wait([*self.conns, *sentinels], within_s):
             i = sentinels[obj] if obj in sentinels else conns[id(obj)]
