@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
-from multiprocessing import get_context
 
 import pytest
 import torch
@@ -110,37 +108,21 @@ def shard_shapes(runner):  # module level: collective_rpc pickles functions by n
 # ------------------------------------------------------------------------------------ sharded layers
 def run_ranks(fn, size: int = 2) -> list:
     """Run fn(tp) on `size` fresh processes joined in one gloo group; their results, by rank."""
-    from torch.distributed import TCPStore
+    from nanoengine.distributed.spawn import RankFailure, run_on_ranks
 
-    ctx = get_context("spawn")
-    store = TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(fn, r, size, store.port, queue)) for r in range(size)]
-    for p in procs:
-        p.start()
-    results = {rank: pickle.loads(data) for rank, data in (queue.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(10)
-    if any(isinstance(v, str) for v in results.values()):
-        pytest.fail("\n".join(v for v in results.values() if isinstance(v, str)))
-    return [results[r] for r in range(size)]
+    results = run_on_ranks(on_group, size, fn, timeout=120)
+    failures = [r.traceback for r in results if isinstance(r, RankFailure)]
+    if failures:
+        pytest.fail("\n".join(failures))
+    return results
 
 
-def rank_main(fn, rank, size, port, queue):
-    import traceback
-
+def on_group(fn):  # module level: run_on_ranks sends it by name
     import torch.distributed as dist
 
-    from nanoengine.distributed.group import init_process_group
+    from nanoengine.layers.tp_group import TPGroup
 
-    torch.set_num_threads(1)
-    try:
-        tp = init_process_group("gloo", "127.0.0.1", port, rank, size)
-        # by value (the queue's own pickler would share tensors through fds this process takes away with it)
-        queue.put((rank, pickle.dumps(fn(tp))))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, pickle.dumps(traceback.format_exc())))
+    return fn(TPGroup(dist.get_rank(), dist.get_world_size()))
 
 
 def load_from(whole, sharded) -> None:

@@ -16,11 +16,14 @@ pool that never runs out.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
 from typing import Any
 
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.parts import assemble
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import SequenceStatus
 from nanoengine.sampling_params import SamplingParams
@@ -82,8 +85,8 @@ def latency_run(budget: int, order: str = "decode_first", *, model: str = "tiny-
                 seed: int = 0, llm: Any = None) -> dict[str, Any]:
     """One run of the workload under a token budget and an order: TTFT in seconds per request (from its
     arrival), every inter-token gap in seconds, the step count, and how many steps a decoding request was
-    left out of (`decode_steps_skipped`: 0 for decode-first). `llm`: an engine to reuse (its budget
-    and scheduler are replaced for the run; it must be idle, with room for every request at once)."""
+    left out of (`decode_steps_skipped`: 0 for decode-first). `llm`: an LLM whose model to reuse (the run
+    gets a fresh engine over its executor; it needs room for every request at once)."""
     from nanoengine import LLM
 
     if order not in ORDERS:
@@ -92,14 +95,14 @@ def latency_run(budget: int, order: str = "decode_first", *, model: str = "tiny-
         llm = LLM(model, num_kvcache_blocks=num_requests * ((prompt_len + output_len) // 16 + 2),
                   block_size=16, enable_prefix_caching=False, max_num_seqs=num_requests,
                   max_num_batched_tokens=max(budget, 256))
-    eng = llm.engine
-    old = eng.scheduler
-    cls = PrefillFirstScheduler if order == "prefill_first" else Scheduler
-    eng.scheduler = cls(eng.block_manager, eng.eos_token_ids, max_num_batched_tokens=budget,
-                        max_num_seqs=old.max_num_seqs, max_model_len=old.max_model_len)
     if budget > llm.plan.max_num_batched_tokens:
         raise ValueError(f"the engine was built for at most {llm.plan.max_num_batched_tokens} tokens a step, "
                          f"fewer than {budget}: build it with max_num_batched_tokens={budget}")
+    # a fresh engine over the LLM's executor (its model and KV cache), built with this budget and scheduler
+    plan = dataclasses.replace(llm.plan, max_num_batched_tokens=budget)
+    cls = PrefillFirstScheduler if order == "prefill_first" else Scheduler
+    eng = LLMEngine(llm.engine.config, plan, dataclasses.replace(assemble(plan), scheduler_class=cls),
+                    llm.engine.executor, llm.engine.tokenizer)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(prompt_len)] for _ in range(num_requests)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -109,23 +112,20 @@ def latency_run(budget: int, order: str = "decode_first", *, model: str = "tiny-
     at_step: dict[str, list[int]] = {}  # the step count at each token
     seqs: dict[str, Any] = {}
     steps = 0
-    try:
-        while steps == 0 or eng.has_unfinished() or len(arrived) < num_requests:
-            if steps % arrive_every == 0 and len(arrived) < num_requests:
-                rid = eng.add_request({"prompt_token_ids": prompts[len(arrived)]}, params)
-                arrived[rid], seqs[rid] = time.perf_counter(), eng.requests[rid].seqs[0]
-                times[rid], at_step[rid], arrived_step[rid] = [], [], steps
-            eng.step()
-            now = time.perf_counter()
-            steps += 1
-            for rid, seq in seqs.items():
-                new = seq.num_known_tokens - seq.num_prompt_tokens - len(times[rid])
-                times[rid] += [now] * new
-                at_step[rid] += [steps] * new
-        for rid in list(arrived):
-            eng.abort(rid)
-    finally:
-        eng.scheduler = old
+    while steps == 0 or eng.has_unfinished() or len(arrived) < num_requests:
+        if steps % arrive_every == 0 and len(arrived) < num_requests:
+            rid = eng.add_request({"prompt_token_ids": prompts[len(arrived)]}, params)
+            arrived[rid], seqs[rid] = time.perf_counter(), eng.requests[rid].seqs[0]
+            times[rid], at_step[rid], arrived_step[rid] = [], [], steps
+        eng.step()
+        now = time.perf_counter()
+        steps += 1
+        for rid, seq in seqs.items():
+            new = seq.num_known_tokens - seq.num_prompt_tokens - len(times[rid])
+            times[rid] += [now] * new
+            at_step[rid] += [steps] * new
+    for rid in list(arrived):
+        eng.abort(rid)
     ttft = [times[r][0] - arrived[r] for r in arrived]
     gaps = [b - a for r in arrived for a, b in zip(times[r], times[r][1:])]
     skipped = sum(b - a - 1 for r in arrived for a, b in zip(at_step[r], at_step[r][1:]))

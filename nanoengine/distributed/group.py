@@ -20,11 +20,12 @@ ALREADY_IN_A_GROUP = ("this process already has a torch.distributed process grou
 
 
 def init_process_group(backend: str, host: str, port: int, rank: int, size: int,
-                       store: dist.Store | None = None) -> TPGroup:
+                       store: dist.Store | None = None,
+                       timeout: timedelta = COLLECTIVE_TIMEOUT) -> TPGroup:
     """Join the group (rank 0 passes the store it hosts; the others connect to host:port)."""
     if dist.is_initialized():
         raise RuntimeError(ALREADY_IN_A_GROUP)
     if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank, size)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoengine.distributed.group import init_process_group
 from nanoengine.distributed.workers import WorkerError
 
 START_S = 30  # what a fresh rank may take to start (import torch, join the group) on a busy machine
@@ -74,9 +75,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, size: int, port: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        wait = timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=wait)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=wait)
+        init_process_group("gloo", "127.0.0.1", port, rank, size, timeout=timedelta(seconds=timeout))
         result: Any = fn(*args)
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, named
         result = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc())

@@ -118,23 +118,24 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold seq's leading full blocks, in order: each one's chained hash is in the
         cache and its tokens are equal (a hash collision is a miss); the first miss ends the prefix."""
-        hit_ids = []
-        for i, h in enumerate(self.hashes_of(seq, seq.num_known_tokens // self.block_size)):
-            block_id = self.hash_to_block_id.get(h)
+        hit_ids, num_full = [], seq.num_known_tokens // self.block_size
+        hashes = self.hashes_of(seq, num_full)
+        for i in range(num_full):
+            block_id = self.hash_to_block_id.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i):  # miss, collision
                 break
             hit_ids.append(block_id)
         return hit_ids
 
     def hashes_of(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """The chained hashes of seq's first `num_blocks` full blocks (known tokens only). Each block is
-        hashed once per sequence: the hashes are kept in `seq.block_hashes` and extended as it grows, so a
-        waiting sequence tried at every step, or a long prompt whose blocks fill chunk by chunk, hashes
-        nothing twice."""
+        """`seq.block_hashes`, the chained hashes of seq's full blocks (known tokens only), extended to hold
+        at least its first `num_blocks` (read those; it is not a copy). Each block is hashed once per
+        sequence, so a waiting sequence tried at every step, or a long prompt whose blocks fill chunk by
+        chunk, hashes nothing twice."""
         have = seq.block_hashes
         if len(have) < num_blocks:
             have += self.chain_hashes(seq, len(have), num_blocks, have[-1] if have else None)
-        return have[:num_blocks]
+        return have
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:

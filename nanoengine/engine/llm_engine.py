@@ -73,9 +73,9 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0
         self.in_flight: InFlight | None = None  # the step launched and not yet finished (overlap)
-        # the sequences the last finished step gave a token (each finished one among them): what changed, for
-        # a server that publishes per step without walking every request it holds
-        self.last_sampled: list[Sequence] = []
+        # (sequence, token) for each token the last finished step gave (each finished sequence among them):
+        # what changed, for a server that publishes per step without walking every request it holds
+        self.last_sampled: list[tuple[Sequence, int]] = []
         self.trace: RunTrace | None = None
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run
@@ -223,7 +223,7 @@ class LLMEngine:
         t_end = time.perf_counter()
         t0, t1, t2, t3, t_advanced = step.times
         self.note_times(step.out, sampled, finished, t1, t_known, t_end)
-        self.last_sampled = [seq for seq, _ in sampled]
+        self.last_sampled = sampled
         clock = self.start_time
         ran = step.tokens.ran if step.tokens is not None else None
         stats = StepStats.of(step.out, self.block_manager, clock, schedule_s=t1 - t0,

@@ -133,8 +133,8 @@ class Scheduler:
         # 2) waiting sequences, in order. No admissions in a step that had to preempt: the pool is under
         #    pressure and the preempted ones would just be readmitted.
         if not out.preempted:
-            j = 0
-            skips = 0 if self.policy == "skip_ahead" else SKIP_AHEAD_LIMIT  # fcfs: none
+            j, skipped = 0, 0
+            may_skip = SKIP_AHEAD_LIMIT if self.policy == "skip_ahead" else 0  # fcfs: none
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[j]
                 first = seq.wait_for
@@ -144,9 +144,9 @@ class Scheduler:
                     continue
                 n = self.admit(seq, budget)
                 if n is None:  # its blocks do not fit: admission stops here (fcfs), or tries the next one
-                    if skips == SKIP_AHEAD_LIMIT:
+                    if skipped == may_skip:
                         break
-                    skips += 1
+                    skipped += 1
                     j += 1
                     continue
                 hits = seq.num_cached_tokens

@@ -33,8 +33,12 @@ def full(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
-def shape_of(out) -> tuple:
-    return tuple(getattr(out, "shape", ()))
+def checked_shape(out, want: tuple, fn: Callable, what: str) -> torch.Tensor:
+    """out, once it is a tensor of shape `want`; else the ExerciseError naming fn (`what`: for what input)."""
+    got = tuple(getattr(out, "shape", ()))
+    check_result(isinstance(out, torch.Tensor) and got == tuple(want), fn,
+                 f"shape {got} {what}; it must be {want}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,8 @@ class LearnerTPGroup(TPGroup):
         out = self.shard_rows(full(loaded), [n], self.rank, self.size)
         want = (n // self.size,
                 *tuple(loaded.shape if isinstance(loaded, torch.Tensor) else loaded.get_shape())[1:])
-        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.shard_rows,
-                     f"shape {shape_of(out)} for rank {self.rank} of {self.size} of a "
-                     f"weight with {n} rows; it must be {want}")
-        return out
+        return checked_shape(out, want, self.shard_rows,
+                             f"for rank {self.rank} of {self.size} of a weight with {n} rows")
 
     def columns(self, loaded, n: int) -> torch.Tensor:
         return self.rows(full(loaded).T, n).T  # a rank's columns are its rows of the transpose
@@ -59,41 +61,33 @@ class LearnerTPGroup(TPGroup):
     def column_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         matmul: Matmul) -> torch.Tensor:
         out = self.column_forward(x, weight, bias)  # [num_tokens, out / N]
-        want = (x.shape[0], weight.shape[0])
-        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.column_forward,
-                     f"shape {shape_of(out)} on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
-                     f"{tuple(weight.shape)}; it must be {want}")
-        return out
+        return checked_shape(out, (x.shape[0], weight.shape[0]), self.column_forward,
+                             f"on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
+                             f"{tuple(weight.shape)}")
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      matmul: Matmul) -> torch.Tensor:
         if self.size == 1:
             return super().row_parallel(x, weight, bias, matmul)
         out = self.row_forward(x, weight, bias)  # [num_tokens, out], all-reduced
-        want = (x.shape[0], weight.shape[0])
-        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.row_forward,
-                     f"shape {shape_of(out)} on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
-                     f"{tuple(weight.shape)}; it must be {want}")
-        return out
+        return checked_shape(out, (x.shape[0], weight.shape[0]), self.row_forward,
+                             f"on rank {self.rank} for {x.shape[0]} tokens and a weight shard "
+                             f"{tuple(weight.shape)}")
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return super().embed(ids, weight)
         out = self.embed_forward(ids, weight)  # [num_tokens, dim], all-reduced
-        want = (ids.shape[0], weight.shape[1])
-        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.embed_forward,
-                     f"shape {shape_of(out)} on rank {self.rank} for {ids.shape[0]} ids; it must be "
-                     f"{list(want)}")
-        return out.to(weight.dtype)
+        return checked_shape(out, (ids.shape[0], weight.shape[1]), self.embed_forward,
+                             f"on rank {self.rank} for {ids.shape[0]} ids").to(weight.dtype)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor, matmul: Matmul) -> torch.Tensor | None:
         if self.size == 1:
             return super().logits(hidden, weight, matmul)
         out = self.column_forward(hidden, weight, None, True)  # [num_seqs, vocab] on every rank
-        want = (hidden.shape[0], weight.shape[0] * self.size)
-        check_result(isinstance(out, torch.Tensor) and tuple(out.shape) == want, self.column_forward,
-                     f"shape {shape_of(out)} on rank {self.rank} with gather=True for {hidden.shape[0]} rows "
-                     f"and {self.size} weight shards {tuple(weight.shape)}; it must be {want}")
+        checked_shape(out, (hidden.shape[0], weight.shape[0] * self.size), self.column_forward,
+                      f"on rank {self.rank} with gather=True for {hidden.shape[0]} rows and {self.size} "
+                      f"weight shards {tuple(weight.shape)}")
         return out.float() if self.rank == 0 else None  # rank 0 samples
 
 

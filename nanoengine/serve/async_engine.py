@@ -49,6 +49,7 @@ from nanoengine.tokenizer import apply_chat_template
 from nanoengine.trace import RunTrace
 
 log = logging.getLogger("nanoengine.serve")
+flag = ServerLimits.flag  # a limit's `nanoengine serve` flag, for messages
 IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before looking again
 MAX_TRACE_STEPS = 5_000  # a traced server stops recording after this many steps (each keeps a snapshot)
 FAULT_ENV = "NANOENGINE_INJECT_FAULT"  # tests only: "RuntimeError@3" raises in place of the 3rd step
@@ -267,13 +268,13 @@ class AsyncEngine:
                 for ev in events:
                     stream.queue.put_nowait(ev)
                 if limit is not None and not stream.done and stream.queue.qsize() > limit:
-                    log.warning("request %s: its client left %d chunks unread (--max-unread-chunks %d); "
-                                "aborted", stream.request_id, stream.queue.qsize(), limit)
+                    log.warning("request %s: its client left %d chunks unread (%s %d); aborted",
+                                stream.request_id, stream.queue.qsize(), flag("max_unread_chunks"), limit)
                     self.metrics.on_refused("unread_chunks")
                     self.abort(stream)  # frees its blocks; its client, should it read on, learns why:
                     stream.queue.put_nowait(Failed(ServerBusyError(
                         f"aborted: the client left more than {limit} stream chunks unread "
-                        "(--max-unread-chunks)", retry_after=1)))
+                        f"({flag('max_unread_chunks')})", retry_after=1)))
         self._loop.call_soon_threadsafe(put)
 
     def _run(self) -> None:
@@ -335,8 +336,9 @@ class AsyncEngine:
             if any(live.request.metrics.first_token_time is None for live in lives):
                 self.metrics.on_refused("first_token_timeout")
                 self._fail_stream(lives[0].stream, ServerBusyError(
-                    f"aborted: no first token within {timeout:g} s (the server's --first-token-timeout); the "
-                    "server is overloaded, retry later", retry_after=max(1, round(timeout / 10))))
+                    f"aborted: no first token within {timeout:g} s (the server's "
+                    f"{flag('first_token_timeout_s')}); the server is overloaded, retry later",
+                    retry_after=max(1, round(timeout / 10))))
 
     def _handle_commands(self, block: bool) -> None:
         try:
@@ -378,7 +380,7 @@ class AsyncEngine:
         if limits.max_prompt_tokens is not None and longest > limits.max_prompt_tokens:
             self.metrics.on_refused("prompt_tokens")
             self._resolve(stream.accepted, error=ProtocolError(
-                f"a prompt of {longest} tokens is longer than this server takes (--max-prompt-tokens "
+                f"a prompt of {longest} tokens is longer than this server takes ({flag('max_prompt_tokens')} "
                 f"{limits.max_prompt_tokens}); shorten it", "prompt" if conversation is None else "messages"))
             return
         waiting, new = len(eng.scheduler.waiting), len(reqs) * params.n
@@ -386,7 +388,7 @@ class AsyncEngine:
             self.metrics.on_refused("queue_full")
             self._resolve(stream.accepted, error=ServerBusyError(
                 f"the queue is full: {waiting} sequences wait and this request adds {new}, beyond the "
-                f"server's --max-queued-seqs {limits.max_queued_seqs}; retry later", retry_after=1))
+                f"server's {flag('max_queued_seqs')} {limits.max_queued_seqs}; retry later", retry_after=1))
             return
         for i, req in enumerate(reqs):
             req.metrics.arrival_time = arrival  # when the HTTP request came in, not when this thread saw it
@@ -446,7 +448,7 @@ class AsyncEngine:
             for req, index, text in deltas:
                 texts.setdefault(req.request_id, []).append((index, text))
             # only the requests this step touched: a long queue costs nothing here
-            touched = dict.fromkeys([*texts, *(seq.request_id for seq in eng.last_sampled)])
+            touched = dict.fromkeys([*texts, *(seq.request_id for seq, _ in eng.last_sampled)])
             for rid in touched:
                 live = self._live.get(rid)
                 if live is None:  # aborted meanwhile

@@ -103,7 +103,7 @@ ERROR_STATUSES = {
     400: "a bad request: `param` names the field (a value out of range, an unknown field, a prompt too long)",
     401: "no API key, or a wrong one (a server started with --api-key)",
     404: "not served here",
-    413: "the request body is over --max-body-bytes",
+    413: f"the request body is over {ServerLimits.flag('max_body_bytes')}",
     500: "the engine failed while stepping; the server exits",
     503: "busy (the queue is full, or no first token in time: see Retry-After), shutting down, or failed",
 }
