@@ -6,7 +6,9 @@
 the `use_exercises()` default to pick the learner's pieces (`pieces`), resolves everything against the
 checkpoint and the machine (`plan.py`), assembles the parts (`engine/parts.py`), starts the executor that
 hosts the ranks (one process, or rank 0 here and worker processes for tensor parallelism) and hands all of it
-to the step loop. `LLM` and `nanoengine serve` build their engines here.
+to the step loop. Under a launcher (torchrun) every rank runs this: rank 0 goes on to the step loop, the
+others serve its steps here and exit when it closes (`distributed/launcher.py`). `LLM` and `nanoengine serve`
+build their engines here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 from nanoengine import assets, pieces
 from nanoengine.config import EngineConfig
+from nanoengine.distributed import launcher
 from nanoengine.distributed.executor import MultiprocExecutor
+from nanoengine.distributed.worker import serve_launched_rank
 from nanoengine.engine.executor import Executor, UniprocExecutor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.parts import EngineParts, assemble
@@ -24,9 +28,12 @@ from nanoengine.plan import EnginePlan, resolve_plan
 from nanoengine.tokenizer import load_tokenizer
 
 
-def start_executor(plan: EnginePlan, parts: EngineParts) -> Executor:
-    """One rank in this process, or (tensor parallelism) rank 0 here and the others in worker processes."""
-    return UniprocExecutor(plan, parts) if plan.tensor_parallel_size == 1 else MultiprocExecutor(plan, parts)
+def start_executor(plan: EnginePlan, parts: EngineParts, launch: launcher.Launched | None = None) -> Executor:
+    """One rank in this process, or (tensor parallelism) rank 0 here and the others in worker processes (or
+    a launcher's ranks)."""
+    if plan.tensor_parallel_size == 1:
+        return UniprocExecutor(plan, parts)
+    return MultiprocExecutor(plan, parts, launch)
 
 
 def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine:
@@ -36,14 +43,17 @@ def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine
     model_path = assets.resolve_model(model)
     hf_config = AutoConfig.from_pretrained(model_path)
     chosen = pieces.selected(config.use_exercises, config.exercises_dir)  # the use_exercises() default here
-    plan = resolve_plan(config, hf_config, model_path, chosen)
+    launch = launcher.launched()  # torchrun's ranks: every one runs this
+    plan = resolve_plan(config, hf_config, model_path, chosen, launch)
+    if launch is not None and launch.rank != 0:
+        serve_launched_rank(plan, launch)  # serves rank 0's steps; exits the process when it closes
     tokenizer = load_tokenizer(model_path)
     if len(tokenizer) > hf_config.vocab_size:
         raise CheckpointError(f"{model_path}: the tokenizer has {len(tokenizer)} tokens but the model's "
                               f"vocab_size is {hf_config.vocab_size}; "
                               "the tokenizer files belong to another model")
     parts = assemble(plan)
-    executor = start_executor(plan, parts)
+    executor = start_executor(plan, parts, launch)
     try:
         return LLMEngine(config, plan, parts, executor, tokenizer)
     except BaseException:

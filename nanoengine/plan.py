@@ -129,9 +129,10 @@ class EnginePlan:
 
 
 def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
-                 pieces: PieceSelection = NO_PIECES) -> EnginePlan:
+                 pieces: PieceSelection = NO_PIECES, launch: Any = None) -> EnginePlan:
     """Resolve what the user asked for against the checkpoint's config and this machine (see the module
-    docstring); `pieces` are the learner's pieces the engine is built with."""
+    docstring); `pieces` are the learner's pieces the engine is built with; `launch` where a launcher
+    (torchrun) put this process (nanoengine.distributed.launcher.Launched), or None."""
     import torch
 
     device = config.device
@@ -140,7 +141,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
                                 "'auto'")
-    check_tensor_parallel(config.tensor_parallel_size, device, hf_config)
+    check_tensor_parallel(config.tensor_parallel_size, device, hf_config, launch)
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = pick_attention_backend(config, device, dtype, pieces)
     block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]
@@ -183,11 +184,17 @@ def pick_async_scheduling(want: bool | None, device: str, trace: bool) -> bool:
     return device == "cuda" and not trace
 
 
-def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:
+def check_tensor_parallel(tp: int, device: str, hf_config: Any, launch: Any = None) -> None:
     """Tensor parallelism splits attention heads, KV heads and the vocabulary evenly across ranks, and puts
-    one rank on each GPU: refuse a size that cannot, before any process starts."""
+    one rank on each GPU: refuse a size that cannot, before any process starts. Under a launcher, its ranks
+    are the engine's: as many as tensor_parallel_size, each machine's on its own GPUs."""
     import torch
 
+    if launch is not None and launch.world_size != tp:
+        raise InvalidValueError(f"EngineConfig: this process was started by a launcher (torchrun) with "
+                                f"WORLD_SIZE={launch.world_size}, but tensor_parallel_size={tp}; every rank "
+                                f"is one shard of the model: pass tensor_parallel_size={launch.world_size}, "
+                                "or start as many ranks as you want shards")
     if tp == 1:
         return
     sizes = {"attention heads (num_attention_heads)": hf_config.num_attention_heads,
@@ -200,7 +207,13 @@ def check_tensor_parallel(tp: int, device: str, hf_config: Any) -> None:
         raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} must divide the model's "
                                 f"{', '.join(bad)} evenly, since each rank holds an equal share; "
                                 f"sizes that work for this model: {', '.join(map(str, works))}")
-    if device == "cuda" and tp > torch.cuda.device_count():
+    here = tp if launch is None else launch.local_world_size  # the ranks on this machine
+    if device == "cuda" and here > torch.cuda.device_count():
+        if launch is not None:
+            raise InvalidValueError(f"EngineConfig: the launcher put {here} ranks on this machine "
+                                    f"(LOCAL_WORLD_SIZE), one per GPU, but {torch.cuda.device_count()} CUDA "
+                                    "device(s) are visible; start at most that many per machine "
+                                    "(torchrun --nproc-per-node)")
         raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} needs one GPU per rank, but "
                                 f"{torch.cuda.device_count()} CUDA device(s) are visible; use "
                                 f"tensor_parallel_size <= {torch.cuda.device_count()} or device='cpu' (gloo, "

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from tp_workload import GREEDY, PROMPTS
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.distributed.workers import WorkerError
@@ -23,10 +24,6 @@ pytestmark = [pytest.mark.xdist_group("notebooks"),
               pytest.mark.skipif(not sys.platform.startswith("linux"),
                                  reason="reads /proc for child processes")]
 
-SHARED = "The paged KV cache stores keys and values in fixed-size blocks, so that " * 2
-PROMPTS = [SHARED + "prompt one", "Hi", SHARED + "and prompt two is a little longer than one", "x " * 70,
-           SHARED + "three", "Once upon a time, in a land far away,"]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def child_pids() -> list[int]:

@@ -1,2 +1,4 @@
-"""Tensor parallelism (chapter 07): `group.py` is the process group as the layers see it (rank, size, the
-collectives), `workers.py` the worker processes rank 0 starts, steps and watches."""
+"""Tensor parallelism's processes (chapter 07): `group.py` forms the process group, `workers.py` holds the
+other ranks as rank 0 sees them (its own local workers, or a launcher's), `channel.py` carries each call to
+them, `worker.py` is the loop they run, `launcher.py` reads what torchrun told this process, `spawn.py` runs a
+function on fresh ranks (the exercises' tests), `executor.py` steps them all in lockstep."""

@@ -1,8 +1,9 @@
 """MultiprocExecutor: a tensor-parallel engine's ranks, rank 0 in this process and the others in worker
 processes, stepped in lockstep. Chapter 07.
 
-Rank 0's ModelRunner lives here; `Workers` (workers.py) starts ranks 1..N-1, which build their own runners
-from the same plan meanwhile. Every call (a step, an RPC) is sent to the workers, then run here; the
+Rank 0's ModelRunner lives here; the other ranks (workers.py) are local workers it starts, or, under a
+launcher (torchrun), the launcher's ranks on this machine or others; they build their own runners from rank
+0's plan meanwhile. Every call (a step, an RPC) is sent to the workers, then run here; the
 collectives inside the forward keep the ranks together, and rank 0 alone gets the gathered logits (so only
 its sampler draws: the ranks can never disagree on a token). A failure on any rank stops the workers and
 raises here, with the failed worker's traceback (`WorkerError`).
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from nanoengine.distributed.workers import Workers
+from nanoengine.distributed.launcher import Launched
+from nanoengine.distributed.workers import LauncherRanks, LocalWorkers
 from nanoengine.engine.executor import Executor, call_on
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
@@ -24,10 +26,11 @@ from nanoengine.plan import EnginePlan
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
-        self.workers = Workers(plan)  # spawned; they build their runners while rank 0 builds its own
+    def __init__(self, plan: EnginePlan, parts: EngineParts, launch: Launched | None = None) -> None:
+        # started (or joined); they build their runners while rank 0 builds its own
+        self.workers = LocalWorkers(plan) if launch is None else LauncherRanks(plan, launch)
         with self.workers.lockstep():
-            self.runner = ModelRunner(plan, parts, self.workers.group)
+            self.runner = ModelRunner(plan, parts, self.workers.group, self.workers.local_rank)
         self.start_thread(plan)
 
     def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,31 +1,104 @@
-"""A tensor-parallel worker as its own program: `python -m nanoengine.distributed.worker FD`. Chapter 07.
+"""A tensor-parallel worker: the loop every rank but 0 runs (`serve_calls`), the program rank 0 starts for
+its local workers (`python -m nanoengine.distributed.worker FD RANK PORT THREADS`), and what a launcher's
+ranks 1..N-1 do inside `LLM(...)` (`serve_launched_rank`). Chapter 07.
 
-Rank 0 (`workers.py`) starts ranks 1..N-1 with this command, not with multiprocessing's spawn, so the
-user's script is never imported again in a worker: a script that builds a tensor-parallel `LLM` at top level,
-without `if __name__ == "__main__":`, works as vLLM users write it. FD is this process's end of a socket pair
-with rank 0; the first message on it is (rank 0's sys.path, plan, rank, port, threads), then the calls of
-`worker_main`. With rank 0's sys.path, a function `collective_rpc` sends by name is importable here as it is
-there (its module, not the script: a function defined in the script itself is refused by rank 0).
+`serve_calls` builds the rank's ModelRunner from rank 0's plan, then runs rank 0's calls in order until it
+is told to stop (or rank 0 goes away); it reads them from a `Channel` (channel.py), so it is the same loop for
+a local worker (a socket pair) and for a launcher's rank on another machine (a broadcast). A call that raises
+posts its traceback and ends the process at once, so that rank 0's collectives fail as its sockets close.
+
+Local workers are started with this command, not with multiprocessing's spawn, so the user's script is never
+imported again in a worker: a script that builds a tensor-parallel `LLM` at top level, without
+`if __name__ == "__main__":`, works as vLLM users write it. FD is this process's end of a socket pair with
+rank 0; the first message on it carries rank 0's sys.path and plan: with that path, a function
+`collective_rpc` sends by name is importable here as it is there (its module, not the script: a function
+defined in the script itself is refused by rank 0).
 """
 
 from __future__ import annotations
 
-import pickle
+import os
+import signal
 import sys
+import traceback
 from multiprocessing.connection import Connection
+from typing import Any
+
+from nanoengine.distributed import launcher
+from nanoengine.distributed.channel import SHUTDOWN, Channel
+
+
+def serve_calls(plan: Any, rank: int, group: Any, channel: Channel, local_rank: int) -> bool:
+    """Build this rank's runner, then run rank 0's calls until SHUTDOWN (True) or rank 0 is gone (False)."""
+    from nanoengine.distributed.workers import to_device
+    from nanoengine.engine.executor import call_on
+    from nanoengine.engine.model_runner import ModelRunner
+    from nanoengine.engine.parts import assemble
+
+    try:
+        runner = ModelRunner(plan, assemble(plan), group, local_rank)
+        while True:
+            try:
+                method, args, reply = channel.receive()
+            except EOFError:
+                return False
+            if method == SHUTDOWN:
+                return True
+            result = call_on(runner, method, to_device(args, runner.device))
+            if reply:
+                channel.reply(to_device(result, "cpu"))
+    except BaseException:
+        try:
+            channel.post_error(traceback.format_exc())
+        finally:
+            os._exit(1)  # at once: rank 0's collectives fail as our sockets close
+
+
+def serve_launched_rank(plan: Any, launch: launcher.Launched) -> None:
+    """Ranks 1..N-1 under a launcher: join the group, serve rank 0's calls until it closes, then exit 0."""
+    from nanoengine.distributed.workers import LauncherRanks
+
+    launcher.exit_soon_when_told(launch.where)
+    ranks = LauncherRanks(plan, launch)
+    plan = ranks.receive_plan()  # rank 0's: every rank builds from the same plan
+    told_to_stop = serve_calls(plan, launch.rank, ranks.group, ranks.channel, launch.local_rank)
+    ranks.leave()
+    if not told_to_stop:
+        print(f"nanoengine: {launch.where}: rank 0 went away without closing the engine; stopping",
+              file=sys.stderr, flush=True)
+    raise SystemExit(0 if told_to_stop else 1)
 
 
 def main(argv: list[str]) -> None:
+    from nanoengine.distributed.channel import PipeChannel
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us cleanly
     conn = Connection(int(argv[1]))
+    rank, port, threads = map(int, argv[2:5])
+    channel = PipeChannel([conn])
     try:
-        path, data = pickle.loads(conn.recv_bytes())
+        start = channel.receive()
     except EOFError:
         return  # rank 0 went away before sending anything
-    sys.path[:0] = [p for p in path if p not in sys.path]
-    plan, rank, port, threads = pickle.loads(data)  # (after the path: the plan may name the learner's files)
-    from nanoengine.distributed.workers import worker_main
+    import torch
+    import torch.distributed as dist
 
-    worker_main(plan, rank, port, conn, threads)
+    from nanoengine.distributed.group import init_process_group
+    from nanoengine.distributed.workers import HOST, read_start
+
+    try:
+        plan = read_start(start)
+        torch.set_num_threads(threads)
+        channel.reply("hello")
+        group = init_process_group(plan.dist_backend, HOST, port, rank, plan.tensor_parallel_size)
+    except BaseException:
+        try:
+            channel.post_error(traceback.format_exc())
+        finally:
+            os._exit(1)
+    serve_calls(plan, rank, group, channel, rank)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

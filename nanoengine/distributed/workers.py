@@ -1,23 +1,27 @@
-"""The worker processes of a tensor-parallel engine, seen from rank 0: start them, send each step, notice
+"""The other ranks of a tensor-parallel engine, seen from rank 0: start or join them, send each call, notice
 when one fails, and stop them. Chapter 07.
 
 Rank 0 is the user's process: it schedules, builds the inputs and samples (`distributed/executor.py` drives
-the ranks). `Workers` starts ranks 1..N-1 as their own program (`python -m nanoengine.distributed.worker`,
-so the user's script is not imported again there), each running `worker_main`: join the process group,
-assemble the same parts from the plan it is sent (the learner's pieces included), build its ModelRunner
-(its shard of the model and KV cache), then run whatever rank 0 sends, in the same order. A step is sent once
-per worker, pickled whole, over a socket pair (no size limit, no shared-memory names to clash), and every
-rank then runs it in
-lockstep: the all-reduces inside the forward keep them together.
+the ranks through a `Ranks`). Two kinds, one interface (`send`, `replies`, `lockstep`, `close`):
+- `LocalWorkers`: rank 0 starts ranks 1..N-1 on this machine as their own program (`python -m
+  nanoengine.distributed.worker`, so the user's script is not imported again there) and talks to each over a
+  socket pair (`channel.PipeChannel`, the local fast path), watching its exit through Linux's pidfd;
+- `LauncherRanks`: a launcher (torchrun) started every rank, on one machine or several (`launcher.py`); the
+  calls travel by broadcast over a gloo group (`channel.BroadcastChannel`).
+Every rank runs the same loop (`worker.serve_calls`): build its ModelRunner from rank 0's plan (its shard of
+the model and KV cache, the learner's pieces included), then run rank 0's calls in order; the all-reduces
+inside the forward keep them in lockstep.
 
 Failure is loud and quick:
-- a worker that raises sends its traceback and exits; rank 0's next collective fails at once (the peer's
+- a worker that raises posts its traceback and exits; rank 0's next collective fails at once (the peer's
   sockets close), and rank 0 raises `WorkerError` with that traceback;
-- a worker killed by a signal is noticed the same way, or before the next step by its exit code;
-- after any failure the others are stopped, so nothing hangs and no process is orphaned;
-- Ctrl-C during a step is held until the step ends, so that the ranks never fall out of step; the workers
+- a worker killed by a signal (or a node whose launcher was killed: its ranks die with it) is noticed the
+  same way, or, for a local worker, before the next step by its exit;
+- after any failure the others are stopped (a launcher's ranks: rank 0 leaves the group, so their next
+  collective fails and they exit), so nothing hangs and no process is orphaned;
+- Ctrl-C during a step is held until the step ends, so that the ranks never fall out of step; local workers
   ignore it themselves (the terminal sends it to them too) and rank 0 stops them.
-The processes stop on `close()`, when the engine is garbage-collected, and at interpreter exit.
+The ranks stop on `close()`, when the engine is garbage-collected, and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
@@ -42,14 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoengine.distributed import launcher
+from nanoengine.distributed.channel import SHUTDOWN, BroadcastChannel, PipeChannel
 from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT, init_process_group
-from nanoengine.engine.executor import call_on
-from nanoengine.engine.model_runner import ModelRunner
-from nanoengine.engine.parts import assemble
 from nanoengine.errors import InvalidValueError
 
-HOST = "127.0.0.1"  # every rank on this machine (see the README for spanning machines)
-SHUTDOWN = "shutdown"
+HOST = "127.0.0.1"  # local workers' store and group (a launcher's ranks use its MASTER_ADDR)
 STARTUP_TIMEOUT_S = 120  # a worker must be up (imports done) within this
 
 
@@ -91,27 +93,107 @@ def sigint_held() -> Iterator[None]:
                 raise KeyboardInterrupt
 
 
+def start_message(plan: Any, path: list[str] | None) -> tuple:
+    """What every worker receives first: rank 0's sys.path (local workers; None for a launcher's, which
+    have their own) and its plan, pickled inside so that the path is in place before the plan is read."""
+    return ("start", path, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def read_start(message: tuple) -> Any:
+    """The plan in a start message, after putting rank 0's sys.path (if sent) ahead of this process's."""
+    _, path, data = message
+    if path:
+        sys.path[:0] = [p for p in path if p not in sys.path]
+    return pickle.loads(data)  # (after the path: the plan may name the learner's files)
+
+
+class Ranks(ABC):
+    """Ranks 1..N-1 seen from rank 0, joined with it in one group (`group`: rank 0's TPGroup)."""
+    size: int
+    error: str | None = None  # why the group broke, once it has
+
+    def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
+        """Send one call to every other rank (tensors travel by value, through host memory)."""
+        self.check()
+        if callable(method) and getattr(method, "__module__", None) == "__main__":
+            raise InvalidValueError(
+                f"collective_rpc: {getattr(method, '__qualname__', method)!r} is defined in your script "
+                "(__main__), which the workers, their own program, do not import (pickle sends functions by "
+                "name); define it in a module you import, or pass a ModelRunner method's name")
+        self.deliver((method, to_device(args, "cpu", copy=True), reply))
+
+    @abstractmethod
+    def deliver(self, message: tuple) -> None:
+        """Put one message on the way to every other rank."""
+
+    @abstractmethod
+    def replies(self) -> list[Any]:
+        """Every other rank's result of the last call sent with reply=True."""
+
+    @abstractmethod
+    def failure(self, within_s: float, during: BaseException) -> WorkerError | None:
+        """Why a call failed, if another rank failed (or fails within `within_s`); None if the fault is
+        ours."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop (or leave) the other ranks; safe to call twice."""
+
+    def check(self) -> None:
+        """Raise if the group broke earlier."""
+        if self.error is not None:
+            raise WorkerError("the tensor-parallel workers were stopped after a failure "
+                              f"({self.error.splitlines()[0]}); build a new LLM")
+
+    def close(self) -> None:
+        self.stop()
+
+    def broken(self, err: Exception) -> Exception:
+        """Record why the group broke, stop every worker, and return err to raise."""
+        if self.error is None:
+            self.error = str(err)
+            self.close()
+        return err
+
+    @contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the
+        group: a collective fails when a peer died or raised (then the peer's own error is what we raise), and
+        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
+        with sigint_held():
+            try:
+                yield
+            except WorkerError:
+                raise
+            except BaseException as e:
+                cause = self.failure(within_s=2, during=e)
+                self.broken(cause or e)
+                if cause is not None:
+                    raise cause from e
+                raise
+
+
 class WorkerProcess:
     """A worker started as its own program (subprocess.Popen), seen as a multiprocessing.Process is: `pid`,
     `sentinel` (a descriptor that turns readable when it ends: Linux's pidfd; None elsewhere, where its end is
     noticed by its socket closing), `is_alive`, `join`, `kill`, `exitcode` (negative: killed by a signal)."""
 
-    def __init__(self, rank: int, plan: Any, port: int, threads: int) -> None:
+    def __init__(self, rank: int, port: int, threads: int) -> None:
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         fd = theirs.detach()
         package_root = str(Path(__file__).resolve().parents[2])  # importable there as it is here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root,
                                                                       os.environ.get("PYTHONPATH")) if p)}
+        for var in launcher.VARIABLES:  # a launcher's variables are not this worker's
+            env.pop(var, None)
         try:
-            self.popen = subprocess.Popen([sys.executable, "-m", "nanoengine.distributed.worker", str(fd)],
-                                          pass_fds=(fd,), env=env)
+            self.popen = subprocess.Popen([sys.executable, "-m", "nanoengine.distributed.worker", str(fd),
+                                           str(rank), str(port), str(threads)], pass_fds=(fd,), env=env)
         finally:
             os.close(fd)
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
-        data = pickle.dumps((plan, rank, port, threads), protocol=pickle.HIGHEST_PROTOCOL)
-        self.conn.send_bytes(pickle.dumps((list(sys.path), data)))
 
     @property
     def exitcode(self) -> int | None:
@@ -167,16 +249,16 @@ def stop(procs: list, conns: list[Connection], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-class Workers:
-    """Ranks 1..N-1 of a tensor-parallel engine, started by rank 0 (which joins the group here too)."""
+class LocalWorkers(Ranks):
+    """Ranks 1..N-1 started by rank 0 on this machine (which joins the group here too)."""
 
     def __init__(self, plan: Any) -> None:
         if dist.is_initialized():  # before spawning anything (init_process_group checks again)
             raise RuntimeError(ALREADY_IN_A_GROUP)
         self.size = plan.tensor_parallel_size
-        self.error: str | None = None  # why the group broke, once it has
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        self.local_rank = 0
         threads_before = torch.get_num_threads()
         threads = max(1, threads_before // self.size) if plan.device == "cpu" else threads_before
         # the finalizer holds the lists, not self: it runs on close(), garbage collection or interpreter exit
@@ -184,11 +266,13 @@ class Workers:
         torch.set_num_threads(threads)  # on CPU the ranks share the cores
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)  # port 0: the OS picks a free one
+        self.channel = PipeChannel(self.conns)
         try:
             for rank in range(1, self.size):
-                proc = WorkerProcess(rank, plan, self.store.port, threads)
+                proc = WorkerProcess(rank, self.store.port, threads)
                 self.procs.append(proc)
                 self.conns.append(proc.conn)
+            self.deliver(start_message(plan, list(sys.path)))
             for i in range(len(self.procs)):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
             self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size,
@@ -201,28 +285,19 @@ class Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self._finalizer()
 
-    # ------------------------------------------------------------------------------------------ messages
-    def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
-        """Send one call to every worker (tensors travel by value, through host memory)."""
-        self.check()
-        if callable(method) and getattr(method, "__module__", None) == "__main__":
-            raise InvalidValueError(
-                f"collective_rpc: {getattr(method, '__qualname__', method)!r} is defined in your script "
-                "(__main__), which the workers, their own program, do not import (pickle sends functions by "
-                "name); define it in a module you import, or pass a ModelRunner method's name")
-        data = pickle.dumps((method, to_device(args, "cpu", copy=True), reply),
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        for i, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                self.receive(i, timeout=5)  # the worker is gone: raises with why
+    def deliver(self, message: tuple) -> None:
+        try:
+            self.channel.send(message)
+        except OSError:  # a worker is gone: find which, and raise with why
+            for i in range(len(self.conns)):
+                if not self.procs[i].is_alive():
+                    self.receive(i, timeout=5)
+            raise
 
     def replies(self) -> list[Any]:
-        """Every worker's result of the last call sent with reply=True."""
         return [self.receive(i)[1] for i in range(len(self.conns))]
 
     def receive(self, i: int, timeout: float | None = None, starting: bool = False) -> tuple:
@@ -249,41 +324,14 @@ class Workers:
 
     def check(self) -> None:
         """Raise if the group broke earlier, or if a worker has failed since the last call."""
-        if self.error is not None:
-            raise WorkerError("the tensor-parallel workers were stopped after a failure "
-                              f"({self.error.splitlines()[0]}); build a new LLM")
+        super().check()
         for i, (conn, proc) in enumerate(zip(self.conns, self.procs)):
             if conn.poll() or not proc.is_alive():  # nothing is owed to us between calls: an error, or an end
                 self.receive(i, timeout=1)
                 raise self.broken(WorkerError(f"tensor-parallel worker rank {i + 1} "
                                               "sent an unexpected message"))
 
-    def broken(self, err: Exception) -> Exception:
-        """Record why the group broke, stop every worker, and return err to raise."""
-        if self.error is None:
-            self.error = str(err)
-            self.close()
-        return err
-
-    @contextmanager
-    def lockstep(self) -> Iterator[None]:
-        """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the
-        group: a collective fails when a peer died or raised (then the peer's own error is what we raise), and
-        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
-        with sigint_held():
-            try:
-                yield
-            except WorkerError:
-                raise
-            except BaseException as e:
-                cause = self.failed_worker(within_s=2)
-                self.broken(cause or e)
-                if cause is not None:
-                    raise cause from e
-                raise
-
-    def failed_worker(self, within_s: float) -> WorkerError | None:
-        """The error of a worker that has failed, or fails within `within_s` seconds; None if all are well."""
+    def failure(self, within_s: float, during: BaseException) -> WorkerError | None:
         sentinels = {p.sentinel: i for i, p in enumerate(self.procs) if p.sentinel is not None}
         conns = {id(c): i for i, c in enumerate(self.conns)}
         for obj in wait([*self.conns, *sentinels], within_s):
@@ -295,28 +343,76 @@ class Workers:
         return None
 
 
-def worker_main(plan: Any, rank: int, port: int, conn: Connection, threads: int) -> None:
-    """A worker process: join the group, build this rank's ModelRunner, then serve rank 0's calls in order."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us cleanly
-    try:
-        torch.set_num_threads(threads)
-        conn.send_bytes(pickle.dumps(("hello", rank)))
-        group = init_process_group(plan.dist_backend, HOST, port, rank, plan.tensor_parallel_size)
-        runner = ModelRunner(plan, assemble(plan), group)
-        while True:
-            try:
-                method, args, reply = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                break  # rank 0 is gone: nothing left to serve
-            if method == SHUTDOWN:
-                break
-            result = call_on(runner, method, to_device(args, runner.device))
-            if reply:
-                conn.send_bytes(pickle.dumps(("ok", to_device(result, "cpu"))))
-    except BaseException:
-        try:
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-        finally:
-            os._exit(1)  # at once: rank 0's collectives fail as our sockets close
+def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class LauncherRanks(Ranks):
+    """Every rank started by a launcher (torchrun), joined in its group; rank 0's side drives the others.
+    The same class on ranks 1..N-1 only joins and receives (`receive_plan`, then `worker.serve_calls`)."""
+
+    def __init__(self, plan: Any, launch: launcher.Launched) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(ALREADY_IN_A_GROUP)
+        launcher.die_with_parent()
+        self.size, self.rank, self.local_rank = launch.world_size, launch.rank, launch.local_rank
+        self.where = launch.where
+        store = launcher.store(launch, COLLECTIVE_TIMEOUT)
+        self.group = init_process_group(plan.dist_backend, launch.master_addr, launch.master_port,
+                                        launch.rank, launch.world_size, store)
+        self.channel = BroadcastChannel(launch.rank, launch.world_size, store)
+        self._finalizer = weakref.finalize(self, self.shut_down, self.channel) if launch.rank == 0 else None
+        if launch.rank == 0:
+            self.deliver(start_message(plan, None))
+
+    @staticmethod
+    def shut_down(channel: BroadcastChannel) -> None:
+        """Rank 0, at close or exit: tell the others to stop, then leave the group."""
+        try:
+            channel.send((SHUTDOWN, (), False))
+        except RuntimeError:
+            pass  # they are gone already
+        leave_group()
+
+    def receive_plan(self) -> Any:
+        """Ranks 1..N-1: rank 0's plan, which every rank builds its runner from."""
+        return read_start(self.channel.receive())
+
+    def leave(self) -> None:
+        leave_group()
+
+    def deliver(self, message: tuple) -> None:
+        self.channel.send(message)
+
+    def replies(self) -> list[Any]:
+        return self.channel.replies()
+
+    def stop(self) -> None:
+        if self.error is not None:  # broken: leaving the group fails the others' next collective; they exit
+            self._finalizer.detach()
+            leave_group()
+        else:
+            self._finalizer()
+
+    def failure(self, within_s: float, during: BaseException) -> WorkerError | None:
+        deadline = time.monotonic() + within_s
+        while True:
+            for rank in range(1, self.size):
+                posted = self.channel.error_of(rank)
+                if posted is not None:
+                    return WorkerError(f"tensor-parallel rank {rank} failed:\n{posted}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if isinstance(during, RuntimeError) and is_peer_gone(during):
+            return WorkerError(f"a tensor-parallel rank stopped: {str(during).splitlines()[0]} (the launcher "
+                               "started the ranks: its log on that machine says which one ended, and why)")
+        return None
+
+
+def is_peer_gone(err: RuntimeError) -> bool:
+    """A collective that failed because a peer's connection closed or went silent."""
+    text = str(err)
+    return any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Timed out",
+                                   "timed out"))

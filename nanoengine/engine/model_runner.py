@@ -51,12 +51,16 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, plan: EnginePlan, parts: EngineParts, tp: TPGroup) -> None:
+    def __init__(self, plan: EnginePlan, parts: EngineParts, tp: TPGroup,
+                 local_rank: int | None = None) -> None:
+        """local_rank: this rank's GPU among its machine's (default: its rank; a launcher's ranks on several
+        machines pass theirs)."""
         self.plan = plan
         self.parts = parts
         hf = plan.hf_config
         self.tp = parts.tp_group(tp)
-        self.device = (torch.device(plan.device, tp.rank) if plan.device == "cuda"
+        self.device = (torch.device(plan.device, tp.rank if local_rank is None else local_rank)
+                       if plan.device == "cuda"
                        else torch.device(plan.device))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

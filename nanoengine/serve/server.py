@@ -22,6 +22,7 @@ from typing import Any
 import prometheus_client
 import uvicorn
 
+from nanoengine.distributed import launcher
 from nanoengine.serve.async_engine import AsyncEngine
 from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.protocol import ProtocolError
@@ -87,6 +88,8 @@ class Server:
         self.warnings = [] if api_key or is_loopback(host) else [
             f"serving on {host}, reachable from other machines, without an API key: anyone who can reach "
             "the port can use the model; pass --api-key (or set NANOENGINE_API_KEY)"]
+        if (launch := launcher.launched()) is not None and launch.rank != 0:  # torchrun: rank 0 alone listens
+            build_engine(model, **(engine_options or {}))  # serves rank 0's steps, then exits the process
         self.sock = _bind(host, port)
         try:
             self.llm_engine = build_engine(model, **(engine_options or {}))

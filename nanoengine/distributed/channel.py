@@ -1,0 +1,108 @@
+"""How rank 0's calls reach the other ranks of a tensor-parallel engine, and their replies and errors come
+back. Chapter 07.
+
+One interface, two ways:
+- `BroadcastChannel`: a `torch.distributed` broadcast of the pickled call over a gloo group of its own, the
+  replies by `gather_object`, a rank's traceback through the group's store. It works wherever the ranks are,
+  on this machine or on several (the launcher's ranks use it). Its group never times out: an idle server's
+  ranks wait for the next step as long as it takes; a peer that dies closes its sockets, which fails the
+  wait at once.
+- `PipeChannel`: a socket pair to each worker that rank 0 started on this machine; the local fast path (a
+  step costs one pickled message per worker, not a collective; see chapter 07's measurement).
+Either way a call is `(method, args, reply)`: a ModelRunner method's name (or a function) and its arguments,
+with every tensor copied to host memory.
+"""
+
+from __future__ import annotations
+
+import pickle
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch.distributed as dist
+
+SHUTDOWN = "shutdown"  # the message that ends a worker's loop
+IDLE_TIMEOUT = timedelta(days=365)  # a worker waits for rank 0's next call as long as the engine idles
+ERROR_KEY = "nanoengine/error/{rank}"
+
+
+class Channel(ABC):
+    """Rank 0 `send`s; a worker `receive`s, `reply`s and `post_error`s (the worker loop sees only this).
+    How rank 0 reads replies and errors back is its `Ranks`' business (workers.py): a pipe's are read beside
+    the worker's exit sentinel, a broadcast channel's are gathered."""
+
+    @abstractmethod
+    def send(self, message: Any) -> None:
+        """Rank 0: one message to every other rank."""
+
+    @abstractmethod
+    def receive(self) -> Any:
+        """A worker: rank 0's next message (EOFError when rank 0 has gone)."""
+
+    @abstractmethod
+    def reply(self, obj: Any) -> None:
+        """A worker: its reply to the message it received last."""
+
+    @abstractmethod
+    def post_error(self, text: str) -> None:
+        """A worker: leave its traceback where rank 0 looks after a failed call."""
+
+
+class BroadcastChannel(Channel):
+    def __init__(self, rank: int, size: int, store: dist.Store) -> None:
+        self.rank, self.size, self.store = rank, size, store
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # every rank calls this, in order
+
+    def send(self, message: Any) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def replies(self) -> list[Any]:
+        """Rank 0: each other rank's reply (rank 1 first)."""
+        gathered: list[Any] = [None] * self.size
+        dist.gather_object(None, gathered, dst=0, group=self.group)
+        return gathered[1:]
+
+    def receive(self) -> Any:
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as e:  # its sockets closed: rank 0 has gone
+            raise EOFError(str(e)) from e
+        return box[0]
+
+    def reply(self, obj: Any) -> None:
+        dist.gather_object(obj, None, dst=0, group=self.group)
+
+    def post_error(self, text: str) -> None:
+        self.store.set(ERROR_KEY.format(rank=self.rank), text)
+
+    def error_of(self, rank: int) -> str | None:
+        """The traceback rank `rank` posted, if it did."""
+        key = ERROR_KEY.format(rank=rank)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+class PipeChannel(Channel):
+    """Rank 0 holds one connection per worker (`conns`); a worker holds its one (`conns == [conn]`)."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(data)  # OSError when the worker is gone: the caller asks why
+
+    def receive(self) -> Any:
+        try:
+            return pickle.loads(self.conns[0].recv_bytes())
+        except OSError as e:
+            raise EOFError(str(e)) from e
+
+    def reply(self, obj: Any) -> None:
+        self.conns[0].send_bytes(pickle.dumps(("ok", obj)))
+
+    def post_error(self, text: str) -> None:
+        self.conns[0].send_bytes(pickle.dumps(("error", text)))
