@@ -44,6 +44,12 @@ class Link:
 # small NCCL all-reduce between two GPUs (a few microseconds over NVLink, more through the host's PCIe).
 PCIE4_X16 = Link("PCIe 4.0 x16", 25e9, 15e-6)
 NVLINK_H100 = Link("NVLink (H100)", 450e9, 5e-6)
+# Between machines (chapter 07, "beyond one machine"): an InfiniBand NDR port moves 400 Gb/s = 50 GB/s per
+# direction, ~20 us for a small NCCL all-reduce across two nodes; 100 Gb/s Ethernet with TCP ~11 GB/s and
+# ~50 us (no RDMA: every message through both kernels' network stacks).
+INFINIBAND_NDR = Link("InfiniBand NDR (2 nodes)", 50e9, 20e-6)
+ETHERNET_100G = Link("100 Gb Ethernet, TCP (2 nodes)", 11e9, 50e-6)
+LINKS = (NVLINK_H100, PCIE4_X16, INFINIBAND_NDR, ETHERNET_100G)
 H100_HBM3 = 3.35e12  # bytes/s, an H100 SXM's memory bandwidth (assumed for every case)
 
 QWEN3_0_6B = ModelShape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
