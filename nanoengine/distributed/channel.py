@@ -2,8 +2,10 @@
 back. Chapter 07.
 
 One interface, two ways:
-- `BroadcastChannel`: a `torch.distributed` broadcast of the pickled call over a gloo group of its own, the
-  replies by `gather_object`, a rank's traceback through the group's store. It works wherever the ranks are,
+- `BroadcastChannel`: a `torch.distributed` broadcast of the pickled call over a gloo group of its own (one
+  broadcast of a fixed 64 KiB buffer that starts with the message's length, and a second one for the rest
+  of a longer message: a decode step's call fits the first), the replies by `gather_object`, a rank's
+  traceback through the group's store. It works wherever the ranks are,
   on this machine or on several (the launcher's ranks use it). Its group never times out: an idle server's
   ranks wait for the next step as long as it takes; a peer that dies closes its sockets, which fails the
   wait at once.
@@ -21,6 +23,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 SHUTDOWN = "shutdown"  # the message that ends a worker's loop
@@ -51,12 +54,21 @@ class Channel(ABC):
 
 
 class BroadcastChannel(Channel):
+    FIRST = 64 * 1024  # bytes every call broadcasts at once: an 8-byte length, then the pickled message
+
     def __init__(self, rank: int, size: int, store: dist.Store) -> None:
         self.rank, self.size, self.store = rank, size, store
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # every rank calls this, in order
+        self.first = torch.zeros(self.FIRST, dtype=torch.uint8)  # [FIRST]
 
     def send(self, message: Any) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.group)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8)
+        head = min(len(payload), self.FIRST)
+        self.first[:head] = payload[:head]
+        dist.broadcast(self.first, src=0, group=self.group)
+        if len(payload) > self.FIRST:
+            dist.broadcast(payload[self.FIRST:].clone(), src=0, group=self.group)
 
     def replies(self) -> list[Any]:
         """Rank 0: each other rank's reply (rank 1 first)."""
@@ -65,12 +77,17 @@ class BroadcastChannel(Channel):
         return gathered[1:]
 
     def receive(self) -> Any:
-        box: list[Any] = [None]
         try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            dist.broadcast(self.first, src=0, group=self.group)
+            size = 8 + int.from_bytes(self.first[:8].numpy().tobytes(), "little")
+            data = self.first[8:size].numpy().tobytes()
+            if size > self.FIRST:
+                rest = torch.empty(size - self.FIRST, dtype=torch.uint8)  # [the rest of the message]
+                dist.broadcast(rest, src=0, group=self.group)
+                data += rest.numpy().tobytes()
         except RuntimeError as e:  # its sockets closed: rank 0 has gone
             raise EOFError(str(e)) from e
-        return box[0]
+        return pickle.loads(data)
 
     def reply(self, obj: Any) -> None:
         dist.gather_object(obj, None, dst=0, group=self.group)
