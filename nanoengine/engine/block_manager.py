@@ -193,9 +193,16 @@ class BlockManager:
     def chain_hashes(self, seq: Sequence, start: int, stop: int, prefix_hash: int | None) -> list[int]:
         """The chained hashes of seq's full blocks start..stop-1, given the hash of block start-1 (what
         `hashes_of` computes each block with, once)."""
+        return self.hash_blocks((seq.block_tokens(i) for i in range(start, stop)), prefix_hash)
+
+    @classmethod
+    def hash_blocks(cls, blocks: Iterable[list[int]], prefix_hash: int | None = None) -> list[int]:
+        """The chained hashes of consecutive full blocks (each given by its token ids), the first chained
+        onto `prefix_hash`: the names a prefix-cache lookup compares (the data-parallel router hashes a
+        prompt's blocks with it too, serve/router.py)."""
         hashes = []
-        for i in range(start, stop):
-            prefix_hash = self.compute_hash(seq.block_tokens(i), prefix_hash)
+        for tokens in blocks:
+            prefix_hash = cls.compute_hash(tokens, prefix_hash)
             hashes.append(prefix_hash)
         return hashes
 
