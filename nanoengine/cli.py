@@ -93,7 +93,7 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
         if f.name in skip:
             continue
         kinds = {k.strip() for k in str(f.type).split("|")}
-        flag = "--" + f.name.replace("_", "-")
+        flag = engine_flag(f.name)
         if "bool" in kinds:
             group.add_argument(flag, dest=f"engine.{f.name}", action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS)
@@ -101,6 +101,19 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
             kind = int if "int" in kinds else float if "float" in kinds else str
             group.add_argument(flag, dest=f"engine.{f.name}", type=kind, default=argparse.SUPPRESS,
                                metavar=kind.__name__.upper())
+
+
+def engine_flag(name: str, value: bool = True) -> str:
+    """An EngineConfig field's flag (--max-num-seqs; a bool's False: --no-enable-prefix-caching)."""
+    return ("--" if value else "--no-") + name.replace("_", "-")
+
+
+def engine_flags(options: dict) -> list[str]:
+    """The command line that gives these engine options (add_engine_options' flags, the other way round)."""
+    argv: list[str] = []
+    for name, value in options.items():
+        argv += [engine_flag(name, value)] if isinstance(value, bool) else [engine_flag(name), str(value)]
+    return argv
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -112,7 +125,28 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) or None for f in dataclasses.fields(ServerLimits)})
 
 
+def limit_flags(limits: ServerLimits) -> list[str]:
+    """The command line that sets these limits (add_limit_flags' flags, the other way round; 0: none)."""
+    return [arg for f in dataclasses.fields(ServerLimits)
+            for arg in (ServerLimits.flag(f.name), str(getattr(limits, f.name) or 0))]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1 and (args.router is not None or args.router_max_in_flight is not None):
+        raise ValueError("--router and --router-max-in-flight choose between replicas; add "
+                         "--data-parallel-size 2 or more")
+    if args.data_parallel_size > 1:
+        from nanoengine.serve.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args.model, args.host, args.port, size=args.data_parallel_size,
+                                   policy=args.router, max_in_flight=args.router_max_in_flight,
+                                   threads=args.threads, served_model_name=args.served_model_name,
+                                   trace=args.trace, shutdown_grace_s=args.shutdown_grace,
+                                   log_level=args.log_level, engine_options=engine_options(args),
+                                   api_key=args.api_key, protect_metrics=args.protect_metrics,
+                                   limits=server_limits(args))
     if args.threads is not None:
         import torch
 
@@ -194,7 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     add_limit_flags(s)
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice; with --data-parallel-size N: per replica, "
+                        "default the CPU cores // N)")
+    s.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine replicas, one process each, behind this one address; a router picks the "
+                        "replica of each request (serve/data_parallel.py)")
+    s.add_argument("--router", choices=["cache_aware", "round_robin"], default=None,
+                   help="with --data-parallel-size: cache_aware (default) sends a prompt to the replica that "
+                        "last served its longest cached prefix; round_robin to each in turn")
+    s.add_argument("--router-max-in-flight", type=int, default=None, metavar="N",
+                   help="with --router cache_aware: requests in flight on a prefix's replica beyond which a "
+                        "request goes to the least loaded replica instead (default: --max-num-seqs)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(s)
     s.set_defaults(fn=cmd_serve)

@@ -36,10 +36,8 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.engine.request import Request
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.serve.limits import ServerLimits
@@ -47,6 +45,10 @@ from nanoengine.serve.metrics import ServerMetrics
 from nanoengine.serve.protocol import ProtocolError
 from nanoengine.tokenizer import apply_chat_template
 from nanoengine.trace import RunTrace
+
+if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
+    from nanoengine.engine.llm_engine import LLMEngine
+    from nanoengine.engine.request import Request
 
 log = logging.getLogger("nanoengine.serve")
 flag = ServerLimits.flag  # a limit's `nanoengine serve` flag, for messages
@@ -170,6 +172,7 @@ class AsyncEngine:
         # first-token deadlines in arrival order, with the request ids only: a finished stream is not kept
         self._deadlines: deque[tuple[float, list[str]]] = deque()
         self.metrics = metrics or ServerMetrics(engine.config.model)
+        self.metrics.on_plan(engine.plan, engine.block_manager.num_blocks)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

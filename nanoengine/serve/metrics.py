@@ -4,6 +4,9 @@ Updated by the engine thread only: after every step from its `StepStats` (batch 
 hits, preemptions) and the scheduler's queues, and once per finished request from its `RequestMetrics`
 (TTFT, TPOT, end-to-end latency). Each server has its own registry, so several can live in one process.
 Names follow vLLM's where there is one (`nanoengine_` instead of `vllm:`).
+
+`combine_replicas` is the data-parallel front end's page (`data_parallel.py`): every replica's samples with a
+`replica="i"` label, and beside them the total over the replicas (a sum, or as `TOTALS` says).
 """
 
 from __future__ import annotations
@@ -14,6 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from nanoengine.trace import StepStats
 
+CACHE_CONFIG = ("block_size", "num_blocks", "enable_prefix_caching", "max_num_seqs")  # its labels
+# how a family totals over data-parallel replicas when a sum would be wrong: the largest value, or the
+# ratio of two totalled samples
+TOTALS: dict[str, str | tuple[str, str]] = {
+    "nanoengine_batch_size_peak": "max", "nanoengine_model_info": "max",
+    "nanoengine_cache_config_info": "max",
+    "nanoengine_kv_cache_usage_perc": ("nanoengine_kv_cache_used_blocks", "nanoengine_kv_cache_blocks"),
+    "nanoengine_prefix_cache_hit_rate": ("nanoengine_prefix_cache_hit_tokens_total",
+                                         "nanoengine_prompt_tokens_total"),
+}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -56,7 +69,15 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, **m)
         info = Gauge("nanoengine_model_info", "the served model", ["model"], registry=r)
         info.labels(model=model).set(1)
+        self.cache_config = Gauge("nanoengine_cache_config_info", "the engine's KV cache and batch as "
+                                  "planned (the data-parallel router reads its block size here)",
+                                  list(CACHE_CONFIG), registry=r)
         self._hits = self._prompt = self._peak = 0
+
+    def on_plan(self, plan: Any, num_blocks: int) -> None:
+        """The engine's plan (block size, prefix caching, batch size) and its KV pool, as labels."""
+        values = {**{k: getattr(plan, k) for k in CACHE_CONFIG if hasattr(plan, k)}, "num_blocks": num_blocks}
+        self.cache_config.labels(**{k: str(values[k]) for k in CACHE_CONFIG}).set(1)
 
     def on_refused(self, reason: str) -> None:
         """reason: body_too_large, n, prompt_tokens, queue_full, first_token_timeout, unread_chunks or
@@ -110,3 +131,32 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def combine_replicas(pages: dict[int, str]) -> list[Any]:
+    """The families of each replica's /metrics page (replica index -> Prometheus text) as one list of
+    prometheus_client Metric families: each sample once per replica with a `replica` label, and once as the
+    total over them (summed, or as TOTALS says). Only the replicas given count."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    totals: dict[str, dict[tuple, list[float]]] = {}  # family -> (sample name, labels) -> one value a replica
+    for replica, text in sorted(pages.items()):
+        for fam in text_string_to_metric_families(text):
+            out = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            for sample in fam.samples:
+                out.add_sample(sample.name, {**sample.labels, "replica": str(replica)}, sample.value)
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                totals.setdefault(fam.name, {}).setdefault(key, []).append(sample.value)
+    summed = {key[0]: sum(v) for family in totals.values() for key, v in family.items() if not key[1]}
+    for name, samples in totals.items():
+        rule = TOTALS.get(name)
+        for (sample_name, labels), values in samples.items():
+            if isinstance(rule, tuple):
+                num, den = (summed.get(s, 0.0) for s in rule)
+                value = num / den if den else 0.0
+            else:
+                value = max(values) if rule == "max" else sum(values)
+            families[name].add_sample(sample_name, dict(labels), value)
+    return list(families.values())

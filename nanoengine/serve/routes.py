@@ -32,8 +32,8 @@ import contextlib
 import functools
 import hmac
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,6 +75,7 @@ from nanoengine.serve.protocol import (
 from nanoengine.serve.trace_json import trace_to_dict
 from nanoengine.tokenizer import CHAT_ROLES
 
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -358,23 +359,29 @@ def check_model(name: str, model_name: str) -> None:
                             "(see GET /v1/models)", "model")
 
 
-async def wait(engine: AsyncEngine, stream: RequestStream, request: Request) -> None:
-    """Until the request is done; aborts it if the client goes away first."""
-    async def drain() -> None:
-        async for _ in stream.events():
-            pass
-    task = asyncio.ensure_future(drain())
+async def unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result (its error raises here), or None if the client disconnected first (then `work` is
+    cancelled); a non-streaming handler's wait."""
+    task = asyncio.ensure_future(work)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
-                task.cancel()
-                break
-        if not task.cancelled():
-            task.result()  # an engine failure raises here
+                return None
+        return task.result()
     finally:
         if not task.done():
             task.cancel()
+
+
+async def wait(engine: AsyncEngine, stream: RequestStream, request: Request) -> None:
+    """Until the request is done (an engine failure raises); aborts it if the client goes away first."""
+    async def drain() -> None:
+        async for _ in stream.events():
+            pass
+    try:
+        await unless_gone(drain(), request)
+    finally:
         engine.abort(stream)  # a no-op once it is done
 
 
@@ -395,9 +402,9 @@ async def sse_lines(engine: AsyncEngine, stream: RequestStream, chunk: ChunkOf,
         if include_usage:
             yield _data(chunk([], stream.usage))
     except EngineStepError as e:
-        yield _data(ErrorResponse(error=ErrorInfo(message=str(e), type="internal_server_error", code=500)))
+        yield error_chunk(str(e), "internal_server_error", 500)
     except ServerBusyError as e:  # aborted: no first token in time, or the client stopped reading
-        yield _data(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503)))
+        yield error_chunk(str(e), "service_unavailable", 503)
     finally:  # also when the client disconnects: the stream is cancelled here, and aborted
         engine.abort(stream)
     yield "data: [DONE]\n\n"
@@ -409,6 +416,11 @@ def sse_response(lines: AsyncIterator[str]) -> StreamingResponse:
 
 def _data(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def error_chunk(message: str, kind: str, status: int) -> str:
+    """The SSE line that ends a failed stream in place of its next chunk: OpenAI's error object."""
+    return _data(ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status)))
 
 
 # ------------------------------------------------------------------------------------------ the bodies

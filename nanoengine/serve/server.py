@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
@@ -29,7 +29,7 @@ from nanoengine.serve.protocol import ProtocolError
 from nanoengine.serve.routes import build_app
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: one the OS picks), so the printed address is the real one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -52,6 +52,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
+
+
+def check_access(host: str, api_key: str | None, protect_metrics: bool) -> list[str]:
+    """Checks the API key settings; returns the warnings to print (an open port reachable from elsewhere)."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
+    if protect_metrics and api_key is None:
+        raise ProtocolError("protect_metrics needs an api_key to protect /metrics with", "protect_metrics")
+    return [] if api_key or is_loopback(host) else [
+        f"serving on {host}, reachable from other machines, without an API key: anyone who can reach the "
+        "port can use the model; pass --api-key (or set NANOENGINE_API_KEY)"]
 
 
 class Server:
@@ -78,19 +89,12 @@ class Server:
                 or not shutdown_grace_s >= 0):
             raise ProtocolError(f"shutdown_grace_s must be >= 0 seconds, got {shutdown_grace_s!r}",
                                 "shutdown_grace")
-        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-            raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
         if limits is not None and not isinstance(limits, ServerLimits):
             raise ProtocolError(f"limits must be a ServerLimits, got {type(limits).__name__}", "limits")
-        if protect_metrics and api_key is None:
-            raise ProtocolError("protect_metrics needs an api_key to protect /metrics with",
-                                "protect_metrics")
-        self.warnings = [] if api_key or is_loopback(host) else [
-            f"serving on {host}, reachable from other machines, without an API key: anyone who can reach "
-            "the port can use the model; pass --api-key (or set NANOENGINE_API_KEY)"]
+        self.warnings = check_access(host, api_key, protect_metrics)
         if (launch := launcher.launched()) is not None and launch.rank != 0:  # torchrun: rank 0 alone listens
             build_engine(model, **(engine_options or {}))  # serves rank 0's steps, then exits the process
-        self.sock = _bind(host, port)
+        self.sock = bind_socket(host, port)
         try:
             self.llm_engine = build_engine(model, **(engine_options or {}))
         except BaseException:
@@ -105,7 +109,7 @@ class Server:
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
         self.grace_s = shutdown_grace_s
-        self.uvicorn = _Uvicorn(config, self.engine, shutdown_grace_s)
+        self.uvicorn = ShutdownUvicorn(config, on_exit=lambda: self.engine.begin_shutdown(shutdown_grace_s))
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"  # what the openai client takes
         self._thread: threading.Thread | None = None
@@ -179,16 +183,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any)
     return code
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's Server, told about the engine: on the first SIGINT/SIGTERM the engine stops taking requests
-    and aborts the in-flight ones after the grace period; a second SIGINT exits at once (uvicorn's rule)."""
+class ShutdownUvicorn(uvicorn.Server):
+    """uvicorn's Server, calling `on_exit` on SIGINT/SIGTERM (the engine stops taking requests and aborts the
+    in-flight ones after the grace period; the data-parallel front end stops its replicas) before its own
+    graceful shutdown; a second SIGINT exits at once (uvicorn's rule)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
-        self.engine, self.grace_s = engine, grace_s
+        self.on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.engine.begin_shutdown(self.grace_s)
+        self.on_exit()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
