@@ -88,6 +88,21 @@ def test_shared_prefix_shares_its_prefix():
     assert make_workload("shared-prefix", num_requests=16).prompts == wl.prompts
 
 
+def test_multi_prefix_puts_each_request_on_one_of_its_system_prompts():
+    from nanoengine.bench.workload import shared_prefix_workload
+
+    wl = make_workload("multi-prefix", num_requests=32)
+    spec = WORKLOADS["multi-prefix"]
+    n, k = spec["prefix_len"], spec["num_prefixes"]
+    heads = [tuple(p[:n]) for p in wl.prompts]
+    assert len(set(heads)) == k and all(len(h) == n for h in heads)
+    order = list(dict.fromkeys(heads))
+    which = [order.index(h) for h in heads]
+    assert which != [i % k for i in range(len(wl))]  # a seeded mix: round-robin is no accidental match
+    one = shared_prefix_workload("x", 16, 64, (4, 8), (2, 3), seed=5)
+    assert one.prompts == shared_prefix_workload("x", 16, 64, (4, 8), (2, 3), seed=5, num_prefixes=1).prompts
+
+
 def test_poisson_arrivals_are_seeded_with_the_right_mean():
     a = poisson_arrivals(4000, rate=5.0, seed=3)
     assert a == poisson_arrivals(4000, rate=5.0, seed=3) and a != poisson_arrivals(4000, rate=5.0, seed=4)

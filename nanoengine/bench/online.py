@@ -46,13 +46,14 @@ def base_url(url: str) -> str:
 
 
 def server_counters(text: str) -> dict[str, float]:
-    """The counters in SERVER_COUNTERS from a Prometheus text page."""
+    """The counters in SERVER_COUNTERS from a Prometheus text page (the unlabelled samples: a data-parallel
+    server's totals over its replicas)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in SERVER_COUNTERS:
+            if s.name in SERVER_COUNTERS and not s.labels:
                 values[s.name] = s.value
     return values
 
@@ -126,7 +127,11 @@ def run_served(url: str, workload: str | Workload = "cpu-small", num_requests: i
                              "mean_batch_size": (s["nanoengine_step_batch_size_sum"] / steps
                                                  if steps else None),
                              "preemptions": s["nanoengine_num_preemptions_total"],
-                             "prefix_hit_tokens": s["nanoengine_prefix_cache_hit_tokens_total"]}}
+                             "prefix_hit_tokens": s["nanoengine_prefix_cache_hit_tokens_total"],
+                             "prompt_tokens": s["nanoengine_prompt_tokens_total"],
+                             "prefix_hit_rate": (s["nanoengine_prefix_cache_hit_tokens_total"]
+                                                 / s["nanoengine_prompt_tokens_total"]
+                                                 if s["nanoengine_prompt_tokens_total"] else None)}}
 
 
 def _ms(summary: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@
   in 100..1024, token ids uniform in 0..10000, `random.seed(0)`), so our numbers sit next to its headline.
 - `cpu-small`: the same draw with 32 requests and lengths in 64..512 (minutes on a laptop CPU).
 - `shared-prefix`: one long seeded system prompt shared by every request plus a short unique suffix; shows
-  the prefix cache (chapter 04).
+  the prefix cache (chapter 04). `multi-prefix`: four such system prompts, each request on one of them (the
+  data-parallel router's workload, `bench/routing.py`).
 - `smoke`: a handful of tiny requests for tests.
 - `single-stream`: one request, 256 prompt tokens and 256 generated (one learner chatting);
   `uniform-32`: 32 such requests at once.
@@ -85,20 +86,25 @@ def random_workload(name: str, num_requests: int, input_len: tuple[int, int], ou
 
 
 def shared_prefix_workload(name: str, num_requests: int, prefix_len: int, suffix_len: tuple[int, int],
-                           output_len: tuple[int, int], seed: int = 0, temperature: float = 0.6) -> Workload:
-    """Every prompt = one shared system prompt of `prefix_len` seeded ids + a unique suffix. Draw order: the
-    prefix, then each suffix (length, then ids), then every output length."""
+                           output_len: tuple[int, int], seed: int = 0, temperature: float = 0.6,
+                           num_prefixes: int = 1) -> Workload:
+    """Every prompt = one of `num_prefixes` shared system prompts of `prefix_len` seeded ids + a unique
+    suffix. Draw order: the prefixes, then each suffix (length, then ids), then every output length, then
+    (with several prefixes) each request's prefix, uniform: so one prefix draws as it always did."""
     check_range("suffix_len", suffix_len)
     check_range("output_len", output_len)
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
     rng = random.Random(seed)
-    prefix = [rng.randint(0, TOKEN_ID_MAX) for _ in range(prefix_len)]
+    prefixes = [[rng.randint(0, TOKEN_ID_MAX) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     suffixes = [[rng.randint(0, TOKEN_ID_MAX) for _ in range(rng.randint(*suffix_len))]
                 for _ in range(num_requests)]
     outs = [rng.randint(*output_len) for _ in range(num_requests)]
+    which = [rng.randrange(num_prefixes) if num_prefixes > 1 else 0 for _ in range(num_requests)]
     spec = {"kind": "shared-prefix", "num_requests": num_requests, "prefix_len": prefix_len,
-            "suffix_len": list(suffix_len), "output_len": list(output_len), "token_ids": [0, TOKEN_ID_MAX],
-            "seed": seed, "temperature": temperature, "ignore_eos": True}
-    return Workload(name, [prefix + s for s in suffixes], outs, spec, temperature)
+            "num_prefixes": num_prefixes, "suffix_len": list(suffix_len), "output_len": list(output_len),
+            "token_ids": [0, TOKEN_ID_MAX], "seed": seed, "temperature": temperature, "ignore_eos": True}
+    return Workload(name, [prefixes[p] + s for p, s in zip(which, suffixes)], outs, spec, temperature)
 
 
 def check_range(what: str, lo_hi: tuple[int, int]) -> None:
@@ -115,6 +121,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     # 64 requests sharing a ~1024-token system prompt, unique suffixes of 32..128, outputs 32..128
     "shared-prefix": dict(kind="shared-prefix", num_requests=64, prefix_len=1024, suffix_len=(32, 128),
                           output_len=(32, 128)),
+    # 4 system prompts of 1024 tokens, 16 questions each in a seeded order (data-parallel routing,
+    # bench/routing.py): suffixes of 16..64, outputs 16..32
+    "multi-prefix": dict(kind="shared-prefix", num_requests=64, prefix_len=1024, num_prefixes=4,
+                         suffix_len=(16, 64), output_len=(16, 32)),
     "smoke": dict(kind="random", num_requests=4, input_len=(8, 32), output_len=(4, 16)),
     # one learner chatting: one request of 256 prompt tokens and 256 generated
     # (the decode speed of one stream)
