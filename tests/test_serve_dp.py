@@ -3,12 +3,14 @@ through the openai client: streamed equals non-streamed; requests sharing a syst
 whose own prefix cache then serves them (its /metrics, not the router's word); /metrics holds each replica
 and the totals; a replica killed mid-request fails its requests with a clear error naming it while the other
 serves on; SIGTERM stops every process with status 0; with every replica gone the front end exits with
-status 1; a front end killed outright takes its replicas with it. Bounded in count and time."""
+status 1; a replica dies with its parent, however the parent ends. Bounded in count and time."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,6 +78,18 @@ def test_two_replicas_serve_route_by_prefix_survive_a_death_and_stop_on_sigterm(
             after[f"nanoengine_prompt_tokens_total{{replica={i}}}"] for i in (0, 1))
         assert after[f"nanoengine_router_requests_total{{reason=affinity,replica={owner}}}"] >= 5
 
+        # a client that gives up on a plain request: the front end drops it, and so the replica aborts it
+        aborted = after["nanoengine_request_aborted_total"]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{s.url}/v1/completions", timeout=1.0, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 900, "ignore_eos": True})
+        deadline = time.monotonic() + 20
+        while s.metrics()["nanoengine_request_aborted_total"] == aborted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        m = s.metrics()
+        assert m["nanoengine_request_aborted_total"] == aborted + 1, m
+        assert m["nanoengine_num_requests_running"] == 0, m
+
         # the owner dies with two requests in flight (a stream and a plain one); the other replica serves on
         def long_stream(question: str, max_tokens: int) -> str:
             stream = s.client.chat.completions.create(
@@ -116,7 +130,7 @@ def test_two_replicas_serve_route_by_prefix_survive_a_death_and_stop_on_sigterm(
         s.stop()
 
 
-def test_with_every_replica_gone_the_front_end_exits_1_and_killed_it_takes_its_replicas():
+def test_with_every_replica_gone_the_front_end_exits_with_status_1():
     s = Server(*DP)
     try:
         pids = [r["pid"] for r in health(s)["replicas"]]
@@ -126,11 +140,21 @@ def test_with_every_replica_gone_the_front_end_exits_1_and_killed_it_takes_its_r
         assert "no replica is left" in s.proc.stdout.read()
     finally:
         s.stop()
-    s = Server(*DP)
+
+
+def test_a_replica_dies_with_its_parent_however_the_parent_ends():
+    """The front end killed outright (no clean-up of its own): its replicas go by PR_SET_PDEATHSIG. Here the
+    parent is a small Python process that starts `sleep` as the front end starts a replica."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from nanoengine.serve.data_parallel import _die_with_parent\n"
+        "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [r["pid"] for r in health(s)["replicas"]]
-        s.proc.kill()  # no clean-up of its own: the replicas go by PR_SET_PDEATHSIG
-        s.proc.wait(10)
-        assert all(gone(pid) for pid in pids)
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        assert gone(child, timeout=5)
     finally:
-        s.stop()
+        parent.kill()

@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from nanoengine.cli import engine_flags, limit_flags
+from nanoengine.config import EngineConfig
 from nanoengine.errors import InvalidValueError
 from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.metrics import combine_replicas
@@ -252,6 +253,7 @@ class DataParallelServer:
         self.grace_s, self.api_key, self.protect_metrics = shutdown_grace_s, api_key, protect_metrics
         self.policy, self.max_in_flight = policy, max_in_flight
         engine_options = dict(engine_options or {})
+        EngineConfig.from_kwargs(model=str(model), **engine_options)  # a bad option: one error, no replica
         gpus = gpus_for(size, engine_options)
         self.threads = threads or max(1, len(os.sched_getaffinity(0)) // size)
         self._key = secrets.token_urlsafe(24)  # only this front end talks to the replicas
@@ -402,12 +404,16 @@ class DataParallelServer:
                 self.router.finish(r.index)
 
         headers = {**self._auth, "content-type": request.headers.get("content-type", "application/json")}
-        try:
-            upstream = await self.client.send(self.client.build_request("POST", r.url + path, content=body,
-                                                                        headers=headers), stream=True)
+        send = self.client.send(self.client.build_request("POST", r.url + path, content=body,
+                                                          headers=headers), stream=True)
+        try:  # a non-streamed answer's headers come with its whole body: meanwhile, watch the client
+            upstream = await unless_gone(send, request)
         except httpx.TransportError as e:
             finish()
             return error_response(503, await self.lost(r, e), kind="service_unavailable")
+        if upstream is None:  # the client left: the cancelled send closed its connection; the replica aborts
+            finish()
+            return Response(status_code=499)
         mine = {REPLICA_HEADER: str(r.index)}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(self.relay(upstream, r, finish), status_code=upstream.status_code,
