@@ -12,6 +12,8 @@
 - `server.py`: the process: `Server` (uvicorn on a bound socket, clean shutdown): `run()` in the foreground
   (`nanoengine serve`) or `start()` / `with Server(...)` from a background thread (the book);
 - `trace_json.py`: the engine's step trace as JSON and back (`GET /v1/trace`, for the book's widgets).
+- `router.py` and `data_parallel.py`: `--data-parallel-size N`, N replica processes behind one front end that
+  sends each request to the replica caching its prompt's longest prefix (or round-robin).
 
     nanoengine serve tiny-qwen3 --port 8000
     from openai import OpenAI
