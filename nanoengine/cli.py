@@ -9,6 +9,7 @@ import os
 import sys
 
 from nanoengine import assets  # standard library only: keeps `nanoengine --help` fast
+from nanoengine.flags import engine_flag
 from nanoengine.serve.limits import ServerLimits  # a dataclass: no server imports
 
 DEMO_QUESTIONS = [
@@ -103,19 +104,6 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
                                metavar=kind.__name__.upper())
 
 
-def engine_flag(name: str, value: bool = True) -> str:
-    """An EngineConfig field's flag (--max-num-seqs; a bool's False: --no-enable-prefix-caching)."""
-    return ("--" if value else "--no-") + name.replace("_", "-")
-
-
-def engine_flags(options: dict) -> list[str]:
-    """The command line that gives these engine options (add_engine_options' flags, the other way round)."""
-    argv: list[str] = []
-    for name, value in options.items():
-        argv += [engine_flag(name, value)] if isinstance(value, bool) else [engine_flag(name), str(value)]
-    return argv
-
-
 def engine_options(args: argparse.Namespace) -> dict:
     return {k.removeprefix("engine."): v for k, v in vars(args).items() if k.startswith("engine.")}
 
@@ -123,12 +111,6 @@ def engine_options(args: argparse.Namespace) -> dict:
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The --max-* and --first-token-timeout flags (0: no limit) as ServerLimits."""
     return ServerLimits(**{f.name: getattr(args, f.name) or None for f in dataclasses.fields(ServerLimits)})
-
-
-def limit_flags(limits: ServerLimits) -> list[str]:
-    """The command line that sets these limits (add_limit_flags' flags, the other way round; 0: none)."""
-    return [arg for f in dataclasses.fields(ServerLimits)
-            for arg in (ServerLimits.flag(f.name), str(getattr(limits, f.name) or 0))]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -50,9 +50,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from nanoengine.cli import engine_flags, limit_flags
 from nanoengine.config import EngineConfig
 from nanoengine.errors import InvalidValueError
+from nanoengine.flags import engine_flags
 from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.metrics import combine_replicas
 from nanoengine.serve.router import POLICIES, REASONS, NoReplicaError, Router, prompt_block_hashes
@@ -260,7 +260,7 @@ class DataParallelServer:
         argv = [sys.executable, "-m", "nanoengine", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
                 "--served-model-name", self.name, "--log-level", log_level, "--shutdown-grace",
                 str(shutdown_grace_s), "--threads", str(self.threads), "--protect-metrics",
-                *(["--trace"] if trace else []), *limit_flags(self.limits), *engine_flags(engine_options)]
+                *(["--trace"] if trace else []), *self.limits.as_flags(), *engine_flags(engine_options)]
         self.sock = bind_socket(host, port)  # first: a port in use fails before any model loads
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"

@@ -48,3 +48,8 @@ class ServerLimits:
     def flag(name: str) -> str:
         """The `nanoengine serve` flag that sets a limit (for messages)."""
         return "--" + name.removesuffix("_s").replace("_", "-")
+
+    def as_flags(self) -> list[str]:
+        """The `nanoengine serve` command line that sets these limits (0: no limit)."""
+        return [arg for f in dataclasses.fields(self)
+                for arg in (self.flag(f.name), str(getattr(self, f.name) or 0))]
