@@ -1,7 +1,7 @@
 """Cache-aware against round-robin routing over data-parallel replicas, side by side. Chapter 08 (and 05's
 serving appendix).
 
-    python -m nanoengine.bench.routing --model smollm2-135m            # the measurement (a few minutes)
+    python -m nanoengine.bench.routing --model smollm2-135m            # the measurement (about 5 minutes)
     python -m nanoengine.bench.routing --model tiny-qwen3 --num-requests 16 --prefix-len 256   # a smoke run
 
 For each router in turn, one run: `nanoengine serve MODEL --data-parallel-size 2 --router R` in a
@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
     p.add_argument("--data-parallel-size", type=int, default=2)
     p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, run in this order")
-    p.add_argument("--num-requests", type=int, default=spec["num_requests"])
+    p.add_argument("--num-requests", type=int, default=32, help="questions over all system prompts")
     p.add_argument("--num-prefixes", type=int, default=spec["num_prefixes"], help="system prompts")
     p.add_argument("--prefix-len", type=int, default=spec["prefix_len"], help="tokens per system prompt")
-    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals, requests/s (inf: all "
+    p.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals, requests/s (inf: all "
                    "at once)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="per replica")
     p.add_argument("--block-size", type=int, default=16)
