@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     from nanoengine.bench import hardware
     from nanoengine.bench.report import result_name, write_json
+    from nanoengine.serve.data_parallel import replica_threads
 
     hw = hardware.describe("cpu")
-    hw["threads"] = args.threads or max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size)
+    hw["threads"] = replica_threads(args.data_parallel_size, args.threads)
     result = {"model": args.model, "workload": "multi-prefix", "online": True,
               "request_rate": args.request_rate, "hardware": hw, "workload_spec": wl.spec,
               "data_parallel_size": args.data_parallel_size, "kv_blocks_per_replica": blocks,

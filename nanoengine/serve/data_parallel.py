@@ -154,29 +154,35 @@ class Replica:
         self._reader.join(5)
 
 
-def replica_env(index: int, size: int, threads: int, key: str, gpus: list[str] | None) -> dict[str, str]:
+def replica_env(threads: int, key: str, gpus: list[str] | None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NANOENGINE_API_KEY": key, "PYTHONUNBUFFERED": "1"}
     if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
 
 
-def gpus_for(size: int, engine_options: dict[str, Any]) -> list[str] | None:
-    """One GPU per replica (the visible ones in order), None on a CPU; an error with too few GPUs."""
+def gpus_for(size: int, engine_options: dict[str, Any]) -> list[list[str]] | None:
+    """Each replica's GPUs (its tensor-parallel size of the visible ones, in order), None on a CPU; an error
+    with too few GPUs."""
     if engine_options.get("device") == "cpu":
         return None
     import torch
 
-    count = torch.cuda.device_count()
+    count, tp = torch.cuda.device_count(), engine_options.get("tensor_parallel_size", 1)
     if count == 0:
         return None
-    if count < size:
-        raise InvalidValueError(f"--data-parallel-size {size} puts one replica on each GPU, but {count} "
-                                f"GPU(s) are visible; use --data-parallel-size {count} or fewer, or --device "
-                                "cpu")
+    if count < size * tp:
+        raise InvalidValueError(f"--data-parallel-size {size} gives each replica its own {tp} GPU(s), but "
+                                f"{count} are visible; use fewer replicas, or --device cpu")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(count)]
-    return ids[:size]
+    return [ids[i * tp:(i + 1) * tp] for i in range(size)]
+
+
+def replica_threads(size: int, threads: int | None = None) -> int:
+    """Torch threads per replica: `threads`, or the cores this process may run on split between them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return threads or max(1, cores // size)
 
 
 class FrontMetrics:
@@ -247,15 +253,16 @@ class DataParallelServer:
                                     f"--router {policy}")
         if threads is not None and threads < 1:
             raise InvalidValueError(f"--threads must be >= 1, got {threads}")
+        self.router = Router(size, policy, max_in_flight or 1)  # checks the bound (set below when None)
         self.warnings = check_access(host, api_key, protect_metrics)
         self.limits = limits or ServerLimits()
         self.name = served_model_name or str(model)
         self.grace_s, self.api_key, self.protect_metrics = shutdown_grace_s, api_key, protect_metrics
-        self.policy, self.max_in_flight = policy, max_in_flight
+        self.policy = policy
         engine_options = dict(engine_options or {})
         EngineConfig.from_kwargs(model=str(model), **engine_options)  # a bad option: one error, no replica
         gpus = gpus_for(size, engine_options)
-        self.threads = threads or max(1, len(os.sched_getaffinity(0)) // size)
+        self.threads = replica_threads(size, threads)
         self._key = secrets.token_urlsafe(24)  # only this front end talks to the replicas
         argv = [sys.executable, "-m", "nanoengine", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
                 "--served-model-name", self.name, "--log-level", log_level, "--shutdown-grace",
@@ -264,7 +271,7 @@ class DataParallelServer:
         self.sock = bind_socket(host, port)  # first: a port in use fails before any model loads
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"
-        self.replicas = [Replica(i, argv, replica_env(i, size, self.threads, self._key, gpus))
+        self.replicas = [Replica(i, argv, replica_env(self.threads, self._key, gpus and gpus[i]))
                          for i in range(size)]
         for r in self.replicas:
             r.start_reading()
@@ -276,15 +283,15 @@ class DataParallelServer:
 
             self.tokenizer = load_tokenizer(resolve_model(model))  # while the replicas load
             self._await_replicas()
+            self.router.max_in_flight = max_in_flight or self.max_num_seqs
+            prometheus_client.disable_created_metrics()  # as a single server's page: no *_created series
+            self.metrics = FrontMetrics(size)
+            config = uvicorn.Config(self.build_app(), log_level=log_level, access_log=False,
+                                    timeout_graceful_shutdown=int(shutdown_grace_s) + 5)
+            self.uvicorn = ShutdownUvicorn(config, on_exit=self.begin_shutdown)
         except BaseException:
             self.close()
             raise
-        self.router = Router(size, policy, max_in_flight or self.max_num_seqs)
-        prometheus_client.disable_created_metrics()  # as a single server's page: no *_created series
-        self.metrics = FrontMetrics(size)
-        config = uvicorn.Config(self.build_app(), log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=int(shutdown_grace_s) + 5)
-        self.uvicorn = ShutdownUvicorn(config, on_exit=self.begin_shutdown)
 
     # ------------------------------------------------------------------ starting and stopping
     def _await_replicas(self) -> None:
@@ -410,7 +417,7 @@ class DataParallelServer:
             upstream = await unless_gone(send, request)
         except httpx.TransportError as e:
             finish()
-            return error_response(503, await self.lost(r, e), kind="service_unavailable")
+            return self.unavailable(await self.lost(r, e))
         if upstream is None:  # the client left: the cancelled send closed its connection; the replica aborts
             finish()
             return Response(status_code=499)
@@ -421,7 +428,7 @@ class DataParallelServer:
         try:
             content = await unless_gone(upstream.aread(), request)
         except httpx.TransportError as e:
-            return error_response(503, await self.lost(r, e), kind="service_unavailable")
+            return self.unavailable(await self.lost(r, e))
         finally:
             await upstream.aclose()  # a client that left: the replica sees its connection close, and aborts
             finish()
@@ -448,6 +455,13 @@ class DataParallelServer:
             await upstream.aclose()
             finish()
 
+    @staticmethod
+    def unavailable(message: str) -> Response:
+        """503 for a request its replica lost: the client may retry it at once (another replica takes it)."""
+        response = error_response(503, message, kind="service_unavailable")
+        response.headers["Retry-After"] = "0"
+        return response
+
     async def lost(self, r: Replica, error: Exception) -> str:
         """A request's connection to replica r broke: why, for its client (and r marked down if it exited)."""
         self.metrics.lost.labels(replica=str(r.index)).inc()
@@ -467,7 +481,7 @@ class DataParallelServer:
         try:
             got = await self.client.get(r.url + path, params=params, headers=self._auth)
         except httpx.TransportError as e:
-            return error_response(503, await self.lost(r, e), kind="service_unavailable")
+            return self.unavailable(await self.lost(r, e))
         return Response(got.content, got.status_code, media_type=got.headers.get("content-type"),
                         headers={REPLICA_HEADER: str(r.index)})
 
@@ -480,11 +494,11 @@ class DataParallelServer:
         return generate_latest(_Families(combine_replicas(pages))) + self.metrics.render(self.router)
 
     def health(self) -> Response:
+        if self.stopping or not self.router.num_up:
+            return error_response(503, self.why_not_serving(), kind="service_unavailable")
         replicas = [{"replica": r.index, "pid": r.proc.pid, "up": self.router.up[r.index],
                      "in_flight": self.router.in_flight[r.index], "status": r.status() or "running"}
                     for r in self.replicas]
-        if self.stopping or not self.router.num_up:
-            return error_response(503, self.why_not_serving(), kind="service_unavailable")
         return JSONResponse({"status": "ok", "replicas_up": self.router.num_up, "replicas": replicas})
 
     # ------------------------------------------------------------------ the app
