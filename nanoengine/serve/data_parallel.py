@@ -151,7 +151,8 @@ class Replica:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._reader.join(5)
+        if self._reader.ident is not None:  # started
+            self._reader.join(5)
 
 
 def replica_env(threads: int, key: str, gpus: list[str] | None) -> dict[str, str]:
