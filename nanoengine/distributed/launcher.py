@@ -22,11 +22,12 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from nanoengine.errors import InvalidValueError
+
+if TYPE_CHECKING:  # torch only where a store is made: the data-parallel front end reads launched() too
+    import torch.distributed as dist
 
 VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// needs (LOCAL_RANK: optional)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -79,6 +80,8 @@ def launched(environ: dict[str, str] | None = None) -> Launched | None:
 
 def store(launch: Launched, timeout: timedelta) -> dist.Store:
     """The launcher's store, as env:// finds it: torchrun's agent hosts it, or else rank 0 does."""
+    import torch.distributed as dist
+
     return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
                          is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout,
                          wait_for_workers=False)
