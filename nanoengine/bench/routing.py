@@ -1,5 +1,5 @@
-"""Cache-aware against round-robin routing over data-parallel replicas, side by side. Chapter 08 (and 05's
-serving appendix).
+"""Cache-aware against round-robin routing over data-parallel replicas, side by side. Chapter 07 (beyond one
+machine).
 
     python -m nanoengine.bench.routing --model smollm2-135m            # the measurement (about 5 minutes)
     python -m nanoengine.bench.routing --model tiny-qwen3 --num-requests 16 --prefix-len 256   # a smoke run

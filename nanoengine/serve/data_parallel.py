@@ -1,5 +1,5 @@
 """`nanoengine serve MODEL --data-parallel-size N`: N engine replicas behind one OpenAI-compatible address.
-Chapter 05 (appendix: serving).
+Chapter 07 (beyond one machine; serving is chapter 05's appendix).
 
 Each replica is an ordinary `nanoengine serve` process on loopback (`--port 0`: the OS picks its port, which
 it prints; no race for one), with the user's engine options and limits, `cores // N` torch threads on a CPU

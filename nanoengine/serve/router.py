@@ -1,4 +1,4 @@
-"""The data-parallel router: which engine replica a request goes to. Chapter 05 (appendix: serving).
+"""The data-parallel router: which engine replica a request goes to. Chapter 07 (beyond one machine).
 
 Plain Python over token ids, no model and no sockets, so it is testable in milliseconds. The front end
 (`data_parallel.py`) tokenizes the prompt, hashes its full blocks with the block manager's chained hash
