@@ -24,6 +24,9 @@ BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # how admission treats a waiting request whose blocks do not fit (chapter 05): "fcfs" stops there, as vLLM v1
 # does; "skip_ahead" tries up to SKIP_AHEAD_LIMIT later ones per step (they may fit; the first may starve)
 SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
+# weight-only quantization at load time (vLLM's option name; chapter 08): "int8", symmetric, per-group scales
+# (nanoengine/layers/quant.py); None keeps the checkpoint's weights
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclass
@@ -52,6 +55,7 @@ class EngineConfig:
     # None = on CUDA only (on CPU inductor made these ops slower; the C++ kernels fuse them there)
     torch_compile: bool | None = None
     prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
+    quantization: str | None = None  # see QUANTIZATIONS (CPU only for now)
     tensor_parallel_size: int = 1
     # overlap scheduling (vLLM's name; chapter 06): step N+1 is scheduled and built while step N runs, and
     # its input ids for the sequences step N samples come from step N's tokens on the device. None = on where
@@ -93,6 +97,8 @@ class EngineConfig:
               f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         check(self.block_size is None or self.block_size >= 1,
               f"block_size must be a positive integer, got {self.block_size!r}")
+        check(self.quantization in QUANTIZATIONS,
+              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.scheduling_policy in SCHEDULING_POLICIES,

@@ -15,7 +15,9 @@ checked, and an option that cannot work here is an error saying why and what wou
 - one decode mode (chapter 06): CUDA graphs on CUDA unless enforce_eager=True (or the backend cannot run in a
   graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with
   the `cpu` backend the whole layer stack in one C++ call; else eager;
-- torch.compile of the small fused ops and the sampler (default: on CUDA only).
+- torch.compile of the small fused ops and the sampler (default: on CUDA only);
+- weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
+  W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel.
 Resolving never compiles anything: it asks whether the CPU kernels are built or can be built here, whether
 triton is installed (and on CPU, whether its interpreter is on), and whether flash_attn imports.
 """
@@ -48,6 +50,10 @@ CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor 
 # (layers.linear.use_bf16_weights): on a CPU without a fast bf16 matmul, a linear over so few rows is bound by
 # streaming its weight from memory, which the bf16 copy halves; larger batches keep the float32 matmul
 BF16_WEIGHT_MAX_ROWS = 32
+# With quantization="int8", batches of up to this many rows multiply the int8 copies (layers.quant); larger
+# ones the float32 (or bf16) matmul of the dequantized weights. Measured per linear of SmolLM2 (1 thread,
+# Xeon with AVX-512): the int8 kernel beat both the bf16 kernel and the float32 matmul from 1 to 32 rows
+INT8_WEIGHT_MAX_ROWS = 32
 
 
 class DecodeMode(StrEnum):
@@ -93,6 +99,8 @@ class EnginePlan:
     torch_compile: bool
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
+    quantization: str | None  # "int8": weight-only int8 linears and LM head (layers/quant.py); None: off
+    int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
     tensor_parallel_size: int
     async_scheduling: bool  # overlap: the host schedules step N+1 while step N runs (engine/executor.py)
     dist_backend: str  # "nccl" when every rank has a GPU, else "gloo"
@@ -148,6 +156,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     check_block_size(backend, block_size)
     prepack = pick_prepack(config.prepack_weights, device, dtype)
     torch_compile = pick_torch_compile(config, device, backend, pieces)
+    check_quantization(config.quantization, device)
     decode_mode = pick_decode_mode(config, device, backend, prepack, pieces)
     model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
     max_model_len = config.max_model_len or model_max
@@ -165,7 +174,10 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         scheduling_policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
         kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
-        bf16_weight_rows=bf16_weight_rows(device, backend, dtype, prepack, hf_config),
+        bf16_weight_rows=(0 if config.quantization else
+                          bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
+        quantization=config.quantization,
+        int8_weight_rows=INT8_WEIGHT_MAX_ROWS if config.quantization == "int8" else 0,
         tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,
                                                                            config.trace),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
@@ -258,6 +270,21 @@ def bf16_weight_rows(device: str, backend: str, dtype: str, prepack: bool, hf_co
     if dtype == "bfloat16" and not prepack:
         return BF16_WEIGHT_MAX_ROWS
     return 0
+
+
+def check_quantization(quantization: str | None, device: str) -> None:
+    """quantization="int8" runs the C++ int8 kernel: on CPU, where the kernels are built or can be built."""
+    if quantization is None:
+        return
+    if device != "cpu":
+        raise InvalidValueError(f"EngineConfig: quantization={quantization!r} runs on device='cpu' only for "
+                                "now: nanoengine has no int8-weight (W8A16) kernel for CUDA yet; use "
+                                "device='cpu', or leave quantization=None on CUDA")
+    problem = cpu_kernels.build_problem()
+    if problem:
+        raise InvalidValueError(f"EngineConfig: quantization={quantization!r} needs the C++ CPU kernels, "
+                                f"which cannot be built here ({problem}); install a C++ compiler or leave "
+                                "quantization=None")
 
 
 def pick_attention_backend(config: EngineConfig, device: str, dtype: str, pieces: PieceSelection) -> str:
@@ -383,9 +410,10 @@ def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: b
             return DecodeMode.EAGER
         # the learner's pieces inside the model run eagerly (their Python may read tensors on the host)
         return DecodeMode.EAGER if pieces.forward_pieces else DecodeMode.CUDA_GRAPHS
-    # the fused step mirrors the engine's own layers on one rank, with its bf16 weight copies
+    # the fused step mirrors the engine's own layers on one rank, with its bf16 (or int8) weight copies (with
+    # oneDNN's packed bf16 weights and no int8, the layer-by-layer forward's linears are those)
     if (device == "cpu" and backend == "cpu" and not config.enforce_eager and not pieces
-            and config.tensor_parallel_size == 1 and not prepack):
+            and config.tensor_parallel_size == 1 and (not prepack or config.quantization)):
         return DecodeMode.FUSED_CPU
     return DecodeMode.EAGER
 

@@ -21,7 +21,8 @@ Norms, rotary, softmax, activations and biases are a rounding error and are left
 Bytes (the minimal traffic for the schedule the engine ran):
   weights read once per engine step (all linear layers, norms and the LM head; an untied input embedding is a
   row gather and is left out) x number of steps; linears count at the bytes the engine keeps them in (a
-  bf16 checkpoint run in float32 on CPU streams bf16 copies: 2 bytes each)
+  bf16 checkpoint run in float32 on CPU streams bf16 copies: 2 bytes each; quantization="int8": 1 byte and
+  a float32 scale per 32 weights, 1.125 bytes each)
   + the KV cache read by every decode token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
     x context
   + the KV cache written once for every processed position.
@@ -75,9 +76,14 @@ RTX_4070_LAPTOP = Machine("RTX 4070 Laptop GPU (8 GB)", 256.0, 36 * 512 * 2.0, "
 
 
 def engine_shape(plan: Any) -> ModelShape:
-    """The model's shape as the engine runs it (an `EnginePlan`): its dtype, and 2 bytes per linear weight
-    where it streams bf16 copies of the linears (a bf16 checkpoint in float32 on CPU)."""
+    """The model's shape as the engine runs it (an `EnginePlan`): its dtype, 2 bytes per linear weight where
+    it streams bf16 copies of the linears (a bf16 checkpoint in float32 on CPU), and 1 byte plus its share of
+    a float32 scale with quantization="int8" (layers/quant.py)."""
+    from nanoengine.layers.quant import GROUP_SIZE
+
     weight_bytes = 2 if plan.bf16_weight_rows else None
+    if getattr(plan, "quantization", None) == "int8":
+        weight_bytes = 1 + 4 / GROUP_SIZE
     return ModelShape.from_hf_config(plan.hf_config, plan.torch_dtype.itemsize, weight_bytes)
 
 

@@ -28,6 +28,7 @@ from nanoengine.attention import AttentionMetadata
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.layers.linear import prepack_weights, use_bf16_weights
+from nanoengine.layers.quant import quantize_weights
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models import get_model_class, hf_config
 from nanoengine.models.fused_decode import FusedDecode
@@ -76,6 +77,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, plan.model_path)
         self.model.eval()
+        if plan.int8_weight_rows:  # int8 copies of this rank's shards, the weights dequantized (chapter 08)
+            quantize_weights(self.model, cpu_kernels.load(), plan.int8_weight_rows)
         if plan.prepack_weights:
             prepack_weights(self.model)
         if plan.bf16_weight_rows:  # the C++ extension's bf16_linear (whatever kernels the norms use)

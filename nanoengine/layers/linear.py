@@ -25,6 +25,11 @@ the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the
 bf16), and the sums are float32, so the output is the float32 linear's up to the order of the sums. Larger
 batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
 round once, as a bf16 matmul rounds (torch's own bf16 matmul has no fast path on such a CPU).
+
+With quantization="int8" (chapter 08), `layers.quant.quantize_weights` gives every linear an int8 copy of its
+weight instead (`use_int8`: the C++ kernel `int8_linear`, half of bf16's bytes), and replaces the weight
+itself by the dequantized values, so that larger batches (prefill), which keep the ordinary matmul, compute
+with the same quantized model.
 """
 
 from __future__ import annotations
@@ -66,7 +71,11 @@ class PackableLinear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     bf16_weight: torch.Tensor | None = None  # bf16 copy for small batches, packed by the kernels' bf16_pack
     bf16_max_rows: int = 0
-    bf16_kernels: Any = None
+    kernels: Any = None
+    int8_weight: torch.Tensor | None = None  # int8 copy for small batches, packed by the kernels' int8_pack
+    int8_scales: torch.Tensor | None = None  # its float32 scales, per output row and group of input columns
+    int8_group_size: int = 0
+    int8_max_rows: int = 0
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -74,20 +83,31 @@ class PackableLinear(nn.Linear):
     def use_bf16(self, kernels: Any, max_rows: int) -> None:
         """Multiply batches of up to max_rows rows with a bf16 copy of the weight (the C++ `bf16_linear`)."""
         self.bf16_weight = kernels.bf16_pack(self.weight.detach())  # [ceil(out / 8), in, 8]
-        self.bf16_max_rows, self.bf16_kernels = max_rows, kernels
+        self.bf16_max_rows, self.kernels = max_rows, kernels
+
+    def use_int8(self, kernels: Any, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 max_rows: int) -> None:
+        """Multiply batches of up to max_rows rows with int8 weights q [out, in] and their scales [out,
+        groups] (the C++ `int8_linear`; layers.quant makes them)."""
+        # [ceil(out / 16), in, 16] int8 and [ceil(out / 16), groups, 16] float32
+        self.int8_weight, self.int8_scales = kernels.int8_pack(q, scales)
+        self.int8_group_size, self.int8_max_rows, self.kernels = group_size, max_rows, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16_weight is not None and x.dim() == 2:
-            if x.shape[0] <= self.bf16_max_rows:
-                # [rows, out]
-                return self.bf16_kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)
+        rows = x.shape[0] if x.dim() == 2 else None
+        if self.int8_weight is not None and rows is not None and rows <= self.int8_max_rows:
+            return self.kernels.int8_linear(x, self.int8_weight, self.int8_scales, bias, self.out_features,
+                                            self.int8_group_size)  # [rows, out]
+        if self.bf16_weight is not None and rows is not None and rows <= self.bf16_max_rows:
+            return self.kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
+        copies = self.bf16_weight is not None or self.int8_weight is not None
+        if copies and rows is not None and x.dtype == torch.bfloat16 and self.packed_weight is None:
             # no fast bf16 matmul on this CPU: float32, rounded once as bf16's is
-            if x.dtype == torch.bfloat16:
-                return F.linear(x.float(), self.weight.float(),
-                                None if bias is None else bias.float()).to(x.dtype)
+            y = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
+            return y.to(x.dtype)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)

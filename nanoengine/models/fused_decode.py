@@ -8,10 +8,10 @@ in the same order, on the same tensors, so the hidden states are bit for bit the
 Python keeps the embedding (and the runner the LM head).
 
 It serves what it mirrors exactly: a Llama-family model (Qwen3's per-head q/k norms included) on the `cpu`
-attention backend with the C++ kernels, one rank, and decode-only steps whose batch the linears' bf16
-copies take (or any batch when the model has none). The plan's decode mode (`DecodeMode.FUSED_CPU`,
-nanoengine/plan.py) decides when the runner builds it; `enforce_eager=True` turns it off, as it turns CUDA
-graphs off.
+attention backend with the C++ kernels, one rank, and decode-only steps whose batch the linears' bf16 (or,
+with quantization="int8", int8) copies take (or any batch when the model has none). The plan's decode mode
+(`DecodeMode.FUSED_CPU`, nanoengine/plan.py) decides when the runner builds it; `enforce_eager=True` turns it
+off, as it turns CUDA graphs off.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 def _linear(kernels: Any, layer: PackableLinear) -> Any:
     return kernels.Linear(packed=layer.bf16_weight, weight=layer.weight.detach(), bias=layer.bias,
-                          out_features=layer.out_features)
+                          out_features=layer.out_features, int8=layer.int8_weight,
+                          int8_scales=layer.int8_scales, group_size=layer.int8_group_size)
 
 
 class FusedDecode:
@@ -41,8 +42,9 @@ class FusedDecode:
         self.scale = first.attn.scale
         self.eps = model.norm.eps
         linears = [m for m in model.modules() if isinstance(m, PackableLinear) and m is not model.lm_head]
-        # batches the linears' bf16 copies take (the layer-by-layer forward switches to F.linear above it)
-        copies = [m.bf16_max_rows for m in linears if m.bf16_weight is not None]
+        # batches the linears' bf16 or int8 copies take (the layer-by-layer forward uses F.linear above them)
+        copies = [m.int8_max_rows if m.int8_weight is not None else m.bf16_max_rows
+                  for m in linears if m.bf16_weight is not None or m.int8_weight is not None]
         self.max_rows = min(copies) if copies else None
         self.layers = []
         for layer in model.layers:

@@ -62,11 +62,12 @@ class ModelShape:
     tied: bool
     dtype_bytes: int
     qk_norm: bool = False  # Qwen3 normalizes q and k per head
-    weight_dtype_bytes: int | None = None  # bytes per weight as the engine reads them, if not dtype_bytes
+    # bytes per weight as the engine reads them, if not dtype_bytes (int8 with its scales: 1 + 4 / group)
+    weight_dtype_bytes: float | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: Any, dtype_bytes: int = 2,
-                       weight_dtype_bytes: int | None = None) -> ModelShape:
+                       weight_dtype_bytes: float | None = None) -> ModelShape:
         return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                    kv_heads=num_kv_heads(cfg), head_dim=head_dim(cfg), intermediate=cfg.intermediate_size,
                    vocab=cfg.vocab_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -97,7 +98,7 @@ class ModelShape:
     @property
     def weight_bytes_per_step(self) -> int:
         linears = (self.linear_params + self.lm_head_params) * (self.weight_dtype_bytes or self.dtype_bytes)
-        return linears + self.norm_params * self.dtype_bytes
+        return round(linears) + self.norm_params * self.dtype_bytes
 
     @property
     def kv_bytes_per_position(self) -> int:

@@ -1,11 +1,12 @@
 // nanoengine's CPU kernels (chapter 06): what the family files define and module.cpp binds to Python.
 // decode_attention.cpp: paged_decode; glue.cpp: rms_norm, rotary, silu_and_mul; bf16_linear.cpp: bf16_pack,
-// bf16_linear; decode_step.cpp: Linear, DecodeLayer, decode_layers.
+// bf16_linear; int8_linear.cpp: int8_pack, int8_linear; decode_step.cpp: Linear, DecodeLayer, decode_layers.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace nanoengine {
@@ -26,13 +27,24 @@ at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t N);
 
-// 4. a decode step's decoder layers in one call
-struct Linear {  // one projection: a bf16_pack-ed copy (bf16_linear), else the plain weight (at::linear)
+// 4. small-batch linear with int8 weights and per-group float32 scales: pack once, then x @ (q * s)^T (+ bias)
+std::vector<at::Tensor> int8_pack(const at::Tensor& q, const at::Tensor& scales);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t N, int64_t group_size,
+                       const std::string& path = "auto");
+
+// 5. a decode step's decoder layers in one call
+// one projection: an int8_pack-ed copy (int8_linear), else a bf16_pack-ed copy (bf16_linear), else the plain
+// weight (at::linear)
+struct Linear {
   c10::optional<at::Tensor> packed;
   at::Tensor weight;
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
+  c10::optional<at::Tensor> int8, int8_scales;  // int8_pack's two tensors
+  int64_t group_size = 0;
   at::Tensor operator()(const at::Tensor& x) const {
+    if (int8) return int8_linear(x, *int8, *int8_scales, bias, out_features, group_size);
     return packed ? bf16_linear(x, *packed, bias, out_features) : at::linear(x, weight, bias);
   }
 };

@@ -15,9 +15,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
   m.def("bf16_pack", &bf16_pack, "lay a weight out for bf16_linear (bf16 blocks of 8 rows, column-major in a block)", nogil);
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) with a bf16_pack-ed weight, float32 sums (small batches)", nogil);
+  m.def("int8_pack", &int8_pack, "lay an int8 weight and its scales out for int8_linear (blocks of 16 rows)", nogil);
+  m.def("int8_linear", &int8_linear, "x @ (q * s)^T (+ bias) with int8_pack-ed int8 weights, float32 sums (small batches)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("N"),
+        pybind11::arg("group_size"), pybind11::arg("path") = "auto", nogil);
   pybind11::class_<Linear>(m, "Linear")
-      .def(pybind11::init<c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, int64_t>(),
-           pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("out_features"));
+      .def(pybind11::init([](c10::optional<at::Tensor> packed, at::Tensor weight, c10::optional<at::Tensor> bias,
+                             int64_t out_features, c10::optional<at::Tensor> int8,
+                             c10::optional<at::Tensor> int8_scales, int64_t group_size) {
+             return Linear{packed, weight, bias, out_features, int8, int8_scales, group_size};
+           }),
+           pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("out_features"),
+           pybind11::arg("int8") = c10::nullopt, pybind11::arg("int8_scales") = c10::nullopt,
+           pybind11::arg("group_size") = 0);
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, Linear,
                           Linear, Linear, Linear, at::Tensor, at::Tensor>(),

@@ -1,0 +1,63 @@
+// nanoengine's CPU kernels (chapter 06): the register tiles the small-batch linears share (bf16_linear.cpp,
+// int8_linear.cpp). Weights in blocks of kRows = 8 rows laid out [K, 8] (for each input column k, the 8 rows'
+// weights side by side: one register of outputs); a tile multiplies kM rows of x by kB consecutive blocks,
+// kM x kB sums in registers, reading the weights as bf16 (widened in registers) or float32.
+#pragma once
+
+#include "simd.h"
+
+namespace nanoengine {
+
+constexpr int64_t kRows = 8;  // weight rows per block (one register of outputs)
+
+// out[m, n0 + r] = sums[r] + bias (rows past N are padding: skipped)
+template <typename out_t>
+inline void store_row(const float* sums, const float* bias, int64_t n0, int64_t N, out_t* out_row) {
+  for (int64_t r = 0; r < kRows && n0 + r < N; ++r)
+    out_row[n0 + r] = static_cast<out_t>(sums[r] + (bias ? bias[n0 + r] : 0.f));
+}
+
+#ifdef NANOENGINE_AVX2
+// kM rows of x (from m0) against kB consecutive blocks (w: kB * K * 8, bf16 or widened float)
+template <int kM, int kB, typename W_t, typename out_t>
+inline void tile(const float* x, int64_t m0, int64_t K, const W_t* w, const float* bias, int64_t n0, int64_t N,
+                 out_t* out) {
+  // (the unroll pragmas let the compiler keep acc in registers: without them GCC kept it on the stack)
+  __m256 acc[kM][kB];
+#pragma GCC unroll 16
+  for (int m = 0; m < kM; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) acc[m][b] = _mm256_setzero_ps();
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[kB];
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) wv[b] = load8(w + (b * K + k) * kRows);
+#pragma GCC unroll 16
+    for (int m = 0; m < kM; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
+#pragma GCC unroll 4
+      for (int b = 0; b < kB; ++b) acc[m][b] = _mm256_fmadd_ps(xb, wv[b], acc[m][b]);
+    }
+  }
+  alignas(32) float sums[kM][kB][kRows];
+#pragma GCC unroll 16
+  for (int m = 0; m < kM; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < kB; ++b) _mm256_store_ps(sums[m][b], acc[m][b]);
+  for (int m = 0; m < kM; ++m)
+    for (int b = 0; b < kB; ++b) store_row(sums[m][b], bias, n0 + b * kRows, N, out + (m0 + m) * N);
+}
+
+// every row of x against kB consecutive blocks: 6 rows at a time, then 3, then 1
+template <int kB, typename W_t, typename out_t>
+inline void tiles(const float* x, int64_t M, int64_t K, const W_t* w, const float* bias, int64_t n0, int64_t N,
+                  out_t* out) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile<6, kB>(x, m, K, w, bias, n0, N, out);
+  for (; m + 3 <= M; m += 3) tile<3, kB>(x, m, K, w, bias, n0, N, out);
+  for (; m < M; ++m) tile<1, kB>(x, m, K, w, bias, n0, N, out);
+}
+#endif
+
+}  // namespace nanoengine
