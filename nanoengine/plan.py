@@ -99,7 +99,7 @@ class EnginePlan:
     torch_compile: bool
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
-    quantization: str | None  # "int8": weight-only int8 linears and LM head (layers/quant.py); None: off
+    quantization: str  # "int8": weight-only int8 linears and LM head (layers/quant.py); "none": off
     int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
     tensor_parallel_size: int
     async_scheduling: bool  # overlap: the host schedules step N+1 while step N runs (engine/executor.py)
@@ -176,7 +176,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
         bf16_weight_rows=(0 if config.quantization else
                           bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
-        quantization=config.quantization,
+        quantization=config.quantization or "none",
         int8_weight_rows=INT8_WEIGHT_MAX_ROWS if config.quantization == "int8" else 0,
         tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,
                                                                            config.trace),
