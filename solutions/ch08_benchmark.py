@@ -4,17 +4,22 @@ Exercise 8.1: percentiles and request latencies (TTFT, TPOT, end-to-end).
 Exercise 8.2: the FLOPs a workload needs (linear, attention, LM head).
 Exercise 8.3: how much of a static batch's work is padding.
 Exercise 8.4: FLOPs, bytes and time bound of one decode step.
+Exercise 8.5: per-group symmetric int8 quantization of a weight, and back.
 
 Everything here is plain arithmetic on plain numbers; nanoengine.bench computes the same numbers for
 `nanoengine bench` and is what the tests compare yours with. `ModelShape` (nanoengine.bench.roofline) holds a
 model's sizes: hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, dtype_bytes, ...
-Exercise 8.4 shows why a bigger decode batch is nearly free while a step is memory-bound.
+Exercise 8.4 shows why a bigger decode batch is nearly free while a step is memory-bound; exercise 8.5 writes
+what quantization="int8" does to every weight at load time (nanoengine/layers/quant.py), halving the bytes
+a batch-1 decode step streams.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from nanoengine.bench.roofline import ModelShape
 
@@ -144,4 +149,42 @@ def decode_step_cost(shape: ModelShape, context_lens: Sequence[int], gemm_gflops
     compute_s, memory_s = flops / (gemm_gflops * 1e9), nbytes / (memory_gbs * 1e9)
     return {"flops": flops, "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
             "limit_s": max(compute_s, memory_s)}
+    # END SOLUTION
+
+
+def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 8.5: quantize, symmetric int8 per group.
+
+    weight [out, in] (float), one scale per output row and group of input columns: row n's input columns are cut into groups of group_size (the last one may be
+    shorter): group g holds columns g * group_size .. (g + 1) * group_size - 1. For each row and group:
+      scale s = max |w| over the group / 127          (a group of zeros: s = 0, and its q = 0)
+      q = w / s rounded to the nearest integer         (in [-127, 127])
+    Return (q [out, in] torch.int8, scales [out, groups] float32), groups = ceil(in / group_size).
+    """
+    # BEGIN SOLUTION
+    out, cols = weight.shape
+    groups = -(-cols // group_size)
+    w = weight.float()
+    scales = torch.zeros(out, groups)
+    q = torch.zeros(out, cols, dtype=torch.int8)
+    for g in range(groups):
+        part = w[:, g * group_size:(g + 1) * group_size]  # [out, <= group_size]
+        s = part.abs().amax(dim=1) / 127  # [out]
+        scales[:, g] = s
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q[:, g * group_size:(g + 1) * group_size] = torch.round(part / safe[:, None]).clamp(-127, 127).to(
+            torch.int8)
+    return q, scales
+    # END SOLUTION
+
+
+def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Exercise 8.5: dequantize, back to float32.
+
+    q [out, in] int8 and scales [out, groups] (quantize_per_group's) -> the float32 weight [out, in] they
+    stand for: w[n, k] = q[n, k] * scales[n, k // group_size].
+    """
+    # BEGIN SOLUTION
+    per_column = scales.repeat_interleave(group_size, dim=1)[:, :q.shape[1]]  # [out, in]
+    return q.float() * per_column
     # END SOLUTION

@@ -58,6 +58,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """q [out, in] int8 and scales [out, groups] -> the float32 weight q * s [out, in]."""
+    group_size = min(group_size, q.shape[1])
     return q.float() * scales.repeat_interleave(group_size, dim=1)[:, :q.shape[1]]
 
 

@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from ex_helpers import assert_equal, book
 
 from nanoengine.bench import metrics, roofline
@@ -226,3 +227,101 @@ def test_8_4_decode_step_cost_matches_roofline(ex):
                      "limit_s": "the larger bound"}
             for key, hint in hints.items():
                 assert_number(got[key], want[key], f"{key} of the {what} [{hint}]", where)
+
+
+# Exercise 8.5 ------------------------------------------------------------------------------------------------
+
+# the classic mistakes, named in the messages
+ASYMMETRIC = ("the scale is max |w| over the group / 127 (symmetric, no zero point); (max - min) / 255 is the "
+              "asymmetric range, which only works with a zero point the symmetric formula does not have")
+SWAPPED = ("one scale per output row (dim 0) and group of input columns (dim 1): scales [out, groups]; scales "
+           "per column, or groups cut along the rows, swap the two")
+TRUNCATED = "round to the nearest integer (torch.round): .to(torch.int8) and int() truncate toward zero"
+OVERFLOW = ("q stays in [-127, 127]: with max |w| / 128 as the scale, +max becomes 128, which int8 cannot hold "
+            "(it wraps to -128)")
+
+
+def oracle_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group symmetric int8 in float64, one group at a time (q as float64 integers)."""
+    out, cols = w.shape
+    w = w.double()
+    groups = -(-cols // group)
+    scales = torch.zeros(out, groups, dtype=torch.float64)
+    q = torch.zeros(out, cols, dtype=torch.float64)
+    for g in range(groups):
+        part = slice(g * group, min(cols, (g + 1) * group))
+        s = w[:, part].abs().max(dim=1).values / 127
+        scales[:, g] = s
+        q[:, part] = torch.round(w[:, part] / torch.where(s > 0, s, torch.ones_like(s))[:, None])
+    return q, scales
+
+
+def crafted_weight(out: int, cols: int, seed: int) -> torch.Tensor:
+    """Random weights with the rows that expose the classic mistakes: all positive (max - min differs from
+    2 max |w|), the largest magnitude negative, an outlier in one group, a group of zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cols, generator=gen)
+    w[0] = w[0].abs() + 0.5
+    w[1, 0] = -3 * w[1].abs().max()
+    w[2, -1] = 25.0
+    w[3, :min(cols, 4)] = 0
+    return w
+
+
+@pytest.mark.parametrize("out,cols,group", [(8, 64, 32), (5, 70, 32), (16, 48, 16), (6, 10, 4)])
+def test_8_5_quantize_per_group_matches_a_float64_oracle(ex, out, cols, group):
+    where = book(NB, "8.5")
+    w = crafted_weight(out, cols, out * cols + group)
+    what = f"quantize_per_group of a [{out}, {cols}] weight, group_size {group}"
+    got = ex.quantize_per_group(w.clone(), group)
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise AssertionError(f"{what}: return (q, scales), got {type(got).__name__} {where}")
+    q, scales = got
+    want_q, want_s = oracle_quantize(w, group)
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or tuple(q.shape) != (out, cols):
+        raise AssertionError(f"{what}: q must be an int8 tensor of shape {(out, cols)}, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))} {where}")
+    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(want_s.shape):
+        raise AssertionError(f"{what}: scales of shape {tuple(want_s.shape)} expected, got "
+                             f"{tuple(getattr(scales, 'shape', ()))}; {SWAPPED} {where}")
+    if int(q.min()) < -127:
+        raise AssertionError(f"{what}: q holds {int(q.min())}; {OVERFLOW} {where}")
+    if not torch.allclose(scales.double(), want_s, rtol=1e-6, atol=0):
+        bad = (scales.double() - want_s).abs().argmax().item()
+        row, g = divmod(bad, want_s.shape[1])
+        raise AssertionError(f"{what}: scale of row {row}, group {g}: yours {scales[row, g].item():.6g}, "
+                             f"expected {want_s[row, g].item():.6g}; {ASYMMETRIC} {where}")
+    diff = (q.double() - want_q).abs()
+    if diff.max() > 1 or (diff > 0).double().mean() > 0.01:  # a float32 .5 tie may round the other way
+        per_column = want_s.repeat_interleave(group, dim=1)[:, :cols]
+        truncated = torch.trunc(w.double() / torch.where(per_column > 0, per_column, 1))
+        like_trunc = (q.double() == truncated).double().mean() > 0.98 and (truncated != want_q).any()
+        hint = TRUNCATED if like_trunc else "q = round(w / scale) of its group"
+        row, col = divmod(diff.argmax().item(), cols)
+        raise AssertionError(f"{what}: q[{row}, {col}] yours {int(q[row, col])}, expected "
+                             f"{int(want_q[row, col])} (w = {w[row, col].item():.5f}); {hint} {where}")
+
+
+def test_8_5_dequantize_per_group_inverts_with_at_most_half_a_step_of_error(ex):
+    """Dequantized from the engine's own quantizer (layers.quant), so this test does not lean on yours."""
+    from nanoengine.layers.quant import quantize_int8
+
+    where = book(NB, "8.5")
+    for out, cols, group in [(8, 64, 32), (5, 70, 32), (6, 10, 4)]:
+        w = crafted_weight(out, cols, 7 * cols + group)
+        q, scales = quantize_int8(w, group)
+        what = f"dequantize_per_group of a [{out}, {cols}] weight, group_size {group}"
+        got = ex.dequantize_per_group(q, scales, group)
+        per_column = scales.double().repeat_interleave(group, dim=1)[:, :cols]
+        want = q.double() * per_column
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (out, cols):
+            raise AssertionError(f"{what}: a tensor of shape {(out, cols)} expected, got "
+                                 f"{tuple(getattr(got, 'shape', ()))} {where}")
+        if not torch.allclose(got.double(), want, rtol=1e-6, atol=1e-7):
+            row, col = divmod((got.double() - want).abs().argmax().item(), cols)
+            raise AssertionError(f"{what}: w[{row}, {col}] yours {got[row, col].item():.6g}, expected "
+                                 f"{want[row, col].item():.6g} = q * the scale of column {col}'s group "
+                                 f"(scales[{row}, {col // group}]); {SWAPPED} {where}")
+        err = (got.double() - w.double()).abs()
+        assert (err <= per_column / 2 * (1 + 1e-5) + 1e-7).all(), (
+            f"{what}: an error above half a quantization step {where}")
