@@ -106,8 +106,9 @@ def decode_step_cost(shape: ModelShape, context_lens: Sequence[int], gemm_gflops
 def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 8.5: quantize, symmetric int8 per group.
 
-    weight [out, in] (float), one scale per output row and group of input columns: row n's input columns are cut into groups of group_size (the last one may be
-    shorter): group g holds columns g * group_size .. (g + 1) * group_size - 1. For each row and group:
+    weight [out, in] (float), one scale per output row and group of input columns: row n's input columns are
+    cut into groups of group_size (the last one may be shorter), group g holding columns g * group_size ..
+    (g + 1) * group_size - 1. For each row and group:
       scale s = max |w| over the group / 127          (a group of zeros: s = 0, and its q = 0)
       q = w / s rounded to the nearest integer         (in [-127, 127])
     Return (q [out, in] torch.int8, scales [out, groups] float32), groups = ceil(in / group_size).

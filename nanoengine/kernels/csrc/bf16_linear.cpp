@@ -109,15 +109,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const int64_t blocks = packed.size(0);
   TORCH_CHECK(N > (blocks - 1) * kRows && N <= blocks * kRows,
               "bf16_linear: N = ", N, " does not match the packed weight's ", blocks, " blocks");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "bf16_linear: float32 or bfloat16 x, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1);
-  const auto xf = x.to(at::kFloat).contiguous();  // a copy only for bf16 x (a few rows)
-  at::Tensor bf;
-  if (bias) bf = bias->to(at::kFloat).contiguous();
+  const FloatInputs in = float_inputs("bf16_linear", x, bias);
   auto out = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
-  const float* bp = bias ? bf.data_ptr<float>() : nullptr;
+  const float* xp = in.x_ptr();
+  const float* bp = in.bias_ptr();
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
   const int64_t pairs = (blocks + 1) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {

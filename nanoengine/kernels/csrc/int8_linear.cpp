@@ -272,15 +272,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == kRows16,
               "int8_linear: scales packed by int8_pack, ", groups, " groups of ", group_size, " columns");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "int8_linear: float32 or bfloat16 x, got ", x.scalar_type());
   const Path p = pick_path(path);
-  const auto xf = x.to(at::kFloat).contiguous();  // a copy only for bf16 x (a few rows)
-  at::Tensor bf;
-  if (bias) bf = bias->to(at::kFloat).contiguous();
+  const FloatInputs in = float_inputs("int8_linear", x, bias);
   auto out = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
-  const float* bp = bias ? bf.data_ptr<float>() : nullptr;
+  const float* xp = in.x_ptr();
+  const float* bp = in.bias_ptr();
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {

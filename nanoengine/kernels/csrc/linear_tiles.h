@@ -6,7 +6,23 @@
 
 #include "simd.h"
 
+#include <ATen/ATen.h>
+
 namespace nanoengine {
+
+// x [M, K] (float32 or bfloat16) and bias [N] (or none) as the kernels read them: contiguous float32 (a copy
+// only for bf16 ones: a few rows)
+struct FloatInputs {
+  at::Tensor x, bias;
+  const float* x_ptr() const { return x.data_ptr<float>(); }
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+
+inline FloatInputs float_inputs(const char* kernel, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, kernel,
+              ": float32 or bfloat16 x, got ", x.scalar_type());
+  return {x.to(at::kFloat).contiguous(), bias ? bias->to(at::kFloat).contiguous() : at::Tensor()};
+}
 
 constexpr int64_t kRows = 8;  // weight rows per block (one register of outputs)
 
