@@ -3,12 +3,14 @@
 One C++ extension, one source file per family of kernels: paged decode attention that reads K/V in place
 from the blocks (`decode_attention.cpp`, the `cpu` attention backend), fused (residual +) RMSNorm, rotary
 and SwiGLU for the model's glue, which round where the eager ops round (`glue.cpp`), a small-batch linear
-with bf16 weights (`bf16_linear.cpp`, for decode steps: `layers.linear.use_bf16_weights`) and a decode
-step's decoder layers in one call (`decode_step.cpp`); `module.cpp` binds them, `kernels.h` declares them
-and `simd.h` holds the helpers they share. The hot loops use AVX2/FMA intrinsics where the compiler
-targets them (-march=native picks them on the machine that builds), and plain loops elsewhere. The files
-are compiled with the C++ compiler torch uses (`torch.utils.cpp_extension`) and linked into
-one library in `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`, once: by `make assets`
+with bf16 weights (`bf16_linear.cpp`, for decode steps: `layers.linear.use_bf16_weights`), one with int8
+weights and per-group scales (`int8_linear.cpp`, quantization="int8": `layers.quant`), and a decode step's
+decoder layers in one call (`decode_step.cpp`); `module.cpp` binds them, `kernels.h` declares them,
+`simd.h` holds the helpers they share and `linear_tiles.h` the two linears' register tiles. The hot loops
+use AVX2/FMA intrinsics where the compiler targets them (-march=native picks them on the machine that
+builds; the int8 linear also AVX-512 where it is there), and plain loops elsewhere. The files are compiled
+with the C++ compiler torch uses (`torch.utils.cpp_extension`) and linked into one library in
+`$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`, once: by `make assets`
 (`python -m nanoengine.kernels`), or at first use with a message saying so. A built library is imported
 directly: no build lock, no ninja run, so the processes of a tensor-parallel engine (and two checkouts
 sharing one NANOENGINE_HOME) load it side by side. The folder name carries a hash of the sources (every
