@@ -52,8 +52,11 @@ CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor 
 BF16_WEIGHT_MAX_ROWS = 32
 # With quantization="int8", batches of up to this many rows multiply the int8 copies (layers.quant); larger
 # ones the float32 (or bf16) matmul of the dequantized weights. Measured per linear of SmolLM2 (1 thread,
-# Xeon with AVX-512): the int8 kernel beat both the bf16 kernel and the float32 matmul from 1 to 32 rows
+# Xeon with AVX-512): the int8 kernel beat both the bf16 kernel and the float32 matmul from 1 to 32 rows;
+# against oneDNN's packed bf16 matmul (AMX; prepack_weights) it won at 1 row only (SmolLM2's gate/up: 0.07
+# against 0.17 ms at 1 row, 0.26 against 0.17 at 8, 1.08 against 0.20 at 32)
 INT8_WEIGHT_MAX_ROWS = 32
+INT8_WEIGHT_MAX_ROWS_ONEDNN = 1
 
 
 class DecodeMode(StrEnum):
@@ -177,7 +180,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         bf16_weight_rows=(0 if config.quantization else
                           bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
         quantization=config.quantization or "none",
-        int8_weight_rows=INT8_WEIGHT_MAX_ROWS if config.quantization == "int8" else 0,
+        int8_weight_rows=int8_weight_rows(config.quantization, prepack),
         tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,
                                                                            config.trace),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
@@ -270,6 +273,14 @@ def bf16_weight_rows(device: str, backend: str, dtype: str, prepack: bool, hf_co
     if dtype == "bfloat16" and not prepack:
         return BF16_WEIGHT_MAX_ROWS
     return 0
+
+
+def int8_weight_rows(quantization: str | None, prepack: bool) -> int:
+    """Rows up to which linears multiply their int8 copies (0: no quantization): fewer where oneDNN's packed
+    bf16 matmul takes the larger batches (see INT8_WEIGHT_MAX_ROWS)."""
+    if quantization != "int8":
+        return 0
+    return INT8_WEIGHT_MAX_ROWS_ONEDNN if prepack else INT8_WEIGHT_MAX_ROWS
 
 
 def check_quantization(quantization: str | None, device: str) -> None:

@@ -136,6 +136,7 @@ def test_quantized_linears_switch_by_rows_and_leave_a_tied_embedding_alone(kerne
 def test_the_plan_takes_int8_on_cpu_and_refuses_it_on_cuda_or_a_bad_name():
     from plans import plan_of
 
+    from nanoengine import plan as engine_plan
     from nanoengine.config import EngineConfig
     from nanoengine.plan import check_quantization
 
@@ -146,6 +147,10 @@ def test_the_plan_takes_int8_on_cpu_and_refuses_it_on_cuda_or_a_bad_name():
     plan = plan_of(device="cpu", quantization="int8")
     assert plan.quantization == "int8" and plan.int8_weight_rows > 0 and plan.bf16_weight_rows == 0
     assert plan_of(device="cpu").int8_weight_rows == 0 and plan_of(device="cpu").quantization == "none"
+    # where oneDNN's packed bf16 matmul is there (AMX), it takes every batch but one row
+    bf16 = plan_of(device="cpu", dtype="bfloat16", quantization="int8")
+    rows = engine_plan.INT8_WEIGHT_MAX_ROWS_ONEDNN, engine_plan.INT8_WEIGHT_MAX_ROWS
+    assert bf16.int8_weight_rows == rows[0 if bf16.prepack_weights else 1]
 
 
 def test_the_roofline_counts_int8_weights_at_one_byte_and_a_scale_per_group():
