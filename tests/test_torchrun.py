@@ -116,6 +116,18 @@ def test_killing_the_second_launcher_makes_rank_0_raise_within_10_s():
 
 
 @distributed
+def test_a_rank_that_raises_reaches_rank_0_with_its_traceback():
+    port = free_port()
+    nodes = [node(r, port, JOB, "raise") for r in range(2)]
+    first, _ = finish(*nodes, timeout=180)
+    raised = re.search(r"RAISED \S+ (.*)", first)
+    assert raised, first
+    assert "tensor-parallel rank 1 failed" in raised.group(1)
+    assert "RuntimeError: injected failure in rank 1" in raised.group(1), "rank 1's traceback should reach rank 0"
+    assert [n.returncode for n in nodes] == [1, 1], "both launchers report the failed job"
+
+
+@distributed
 def test_serve_under_torchrun_listens_on_rank_0_and_stops_on_sigterm():
     import openai
 

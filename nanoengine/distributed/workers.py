@@ -115,12 +115,11 @@ class Ranks(ABC):
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
         """Send one call to every other rank (tensors travel by value, through host memory)."""
         self.check()
-        if callable(method) and getattr(method, "__module__", None) == "__main__":
-            raise InvalidValueError(
-                f"collective_rpc: {getattr(method, '__qualname__', method)!r} is defined in your script "
-                "(__main__), which the workers, their own program, do not import (pickle sends functions by "
-                "name); define it in a module you import, or pass a ModelRunner method's name")
+        self.check_sendable(method)
         self.deliver((method, to_device(args, "cpu", copy=True), reply))
+
+    def check_sendable(self, method: str | Callable) -> None:
+        """Refuse a call the other ranks cannot look up by name (pickle sends functions by name)."""
 
     @abstractmethod
     def deliver(self, message: tuple) -> None:
@@ -285,6 +284,15 @@ class LocalWorkers(Ranks):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def check_sendable(self, method: str | Callable) -> None:
+        """A function of the user's script: the workers, their own program, never import it. (A launcher's
+        ranks all run the script, so there it is found.)"""
+        if callable(method) and getattr(method, "__module__", None) == "__main__":
+            raise InvalidValueError(
+                f"collective_rpc: {getattr(method, '__qualname__', method)!r} is defined in your script "
+                "(__main__), which the workers, their own program, do not import (pickle sends functions by "
+                "name); define it in a module you import, or pass a ModelRunner method's name")
+
     def stop(self) -> None:
         self._finalizer()
 
@@ -396,15 +404,12 @@ class LauncherRanks(Ranks):
             self._finalizer()
 
     def failure(self, within_s: float, during: BaseException) -> WorkerError | None:
-        deadline = time.monotonic() + within_s
-        while True:
-            for rank in range(1, self.size):
-                posted = self.channel.error_of(rank)
-                if posted is not None:
-                    return WorkerError(f"tensor-parallel rank {rank} failed:\n{posted}")
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
+        # a rank that raises posts its traceback (the store acknowledges it) before it exits, so before its
+        # sockets close and our collective fails: one look is enough, and a fault of our own costs none
+        for rank in range(1, self.size):
+            posted = self.channel.error_of(rank)
+            if posted is not None:
+                return WorkerError(f"tensor-parallel rank {rank} failed:\n{posted}")
         if isinstance(during, RuntimeError) and is_peer_gone(during):
             return WorkerError(f"a tensor-parallel rank stopped: {str(during).splitlines()[0]} (the launcher "
                                "started the ranks: its log on that machine says which one ended, and why)")
