@@ -185,3 +185,14 @@ def test_a_launcher_world_that_is_not_the_tp_size_is_refused(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(InvalidValueError, match="WORLD_SIZE=2, but tensor_parallel_size=1"):
         LLM("tiny-qwen3")
+
+
+def test_a_second_engine_under_a_launcher_is_refused_clearly(monkeypatch):
+    from nanoengine.distributed.workers import LauncherRanks
+
+    for var, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(LauncherRanks, "joined", True)  # as after a first engine closed
+    with pytest.raises(InvalidValueError, match="a job serves one tensor-parallel engine"):
+        LLM("tiny-qwen3", tensor_parallel_size=2)

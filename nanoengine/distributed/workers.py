@@ -360,9 +360,16 @@ class LauncherRanks(Ranks):
     """Every rank started by a launcher (torchrun), joined in its group; rank 0's side drives the others.
     The same class on ranks 1..N-1 only joins and receives (`receive_plan`, then `worker.serve_calls`)."""
 
+    joined = False  # this process has joined its launcher's ranks once (they serve one engine, then exit)
+
     def __init__(self, plan: Any, launch: launcher.Launched) -> None:
         if dist.is_initialized():
             raise RuntimeError(ALREADY_IN_A_GROUP)
+        if LauncherRanks.joined:
+            raise InvalidValueError("under a launcher (torchrun) a job serves one tensor-parallel engine: "
+                                    "the other ranks stopped when the first one closed; build one LLM per "
+                                    "job (or keep the first one open)")
+        LauncherRanks.joined = True
         launcher.die_with_parent()
         self.size, self.rank, self.local_rank = launch.world_size, launch.rank, launch.local_rank
         self.where = launch.where
