@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,66 @@ SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
 # weight-only quantization at load time (vLLM's option name; chapter 08): "int8", symmetric, per-group scales
 # (nanoengine/layers/quant.py); None keeps the checkpoint's weights
 QUANTIZATIONS = (None, "int8")
+# speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
+# output so far; "draft_model" (a small model sharing the tokenizer) is not supported yet
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SUPPORTED_SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): propose `num_speculative_tokens` tokens per step
+    and verify them in one forward of the model. "ngram" (prompt lookup) matches the last n tokens, n from
+    prompt_lookup_max down to prompt_lookup_min, against the tokens before them."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def of(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict (or its JSON text, as the command line gives it), checked."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidValueError(f"EngineConfig: speculative_config is not valid JSON ({e}); pass "
+                                        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise InvalidTypeError(f"EngineConfig: speculative_config must be a dict, got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise InvalidValueError(f"EngineConfig: unknown speculative_config key(s) {unknown}; valid keys: "
+                                    f"{names}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise InvalidValueError(f"EngineConfig: speculative_config needs {key!r}, e.g. "
+                                        '{"method": "ngram", "num_speculative_tokens": 4}')
+        method = value["method"]
+        if method not in SPECULATIVE_METHODS:
+            raise InvalidValueError(f"EngineConfig: speculative_config method must be one of "
+                                    f"{SPECULATIVE_METHODS}, got {method!r}")
+        if method not in SUPPORTED_SPECULATIVE_METHODS:
+            raise InvalidValueError(f"EngineConfig: speculative_config method {method!r} is not supported "
+                                    f"yet; use one of {SUPPORTED_SPECULATIVE_METHODS}")
+        for key in names[1:]:
+            v = value.get(key, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidValueError(f"EngineConfig: speculative_config {key} must be an integer >= 1, "
+                                        f"got {v!r}")
+        spec = cls(**value)
+        if spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise InvalidValueError(f"EngineConfig: speculative_config num_speculative_tokens must be <= "
+                                    f"{MAX_SPECULATIVE_TOKENS}, got {spec.num_speculative_tokens}")
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise InvalidValueError(f"EngineConfig: speculative_config prompt_lookup_min="
+                                    f"{spec.prompt_lookup_min} is above prompt_lookup_max="
+                                    f"{spec.prompt_lookup_max}")
+        return spec
 
 
 @dataclass
@@ -61,6 +122,9 @@ class EngineConfig:
     # its input ids for the sequences step N samples come from step N's tokens on the device. None = on where
     # it pays (see plan.pick_async_scheduling); False = every step waits for the one before
     async_scheduling: bool | None = None
+    # speculative decoding (vLLM's shape; nanoengine/spec/): {"method": "ngram", "num_speculative_tokens": k,
+    # ...}, see SpeculativeConfig; None = off. Its steps wait for their tokens (no overlap scheduling)
+    speculative_config: dict | SpeculativeConfig | None = None
     seed: int = 0
     trace: bool = False
     # the learner's pieces (nanoengine.pieces): chapters whose exercises replace the engine's own components,
@@ -90,6 +154,7 @@ class EngineConfig:
             self.exercises_dir = os.fspath(self.exercises_dir)
         self._check_types()
         self.use_exercises, self.exercises_dir = pieces.checked_option(self.use_exercises, self.exercises_dir)
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -111,6 +176,10 @@ class EngineConfig:
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         check(self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(not (self.speculative_config and self.async_scheduling),
+              "speculative decoding does not overlap steps (the next step's drafts and positions depend on "
+              "how many of this step's were accepted); use async_scheduling=False or None with "
+              "speculative_config")
 
     def _check_types(self) -> None:
         """Each option has the type its annotation says (bool is not an int here, an int is a float)."""

@@ -181,21 +181,25 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                           bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
         quantization=config.quantization or "none",
         int8_weight_rows=int8_weight_rows(config.quantization, prepack),
-        tensor_parallel_size=tp, async_scheduling=pick_async_scheduling(config.async_scheduling, device,
-                                                                           config.trace),
+        tensor_parallel_size=tp,
+        async_scheduling=pick_async_scheduling(config.async_scheduling, device, config.trace,
+                                               config.speculative_config),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
         trace=config.trace, pieces=pieces)
 
 
-def pick_async_scheduling(want: bool | None, device: str, trace: bool) -> bool:
+def pick_async_scheduling(want: bool | None, device: str, trace: bool, speculative: Any = None) -> bool:
     """Overlap scheduling where it pays: on CUDA, where kernels run while the host goes on. Not by default on
     CPU, where the forward would run on the executor's thread beside the host's Python: there a decode step
     is almost all forward (at batch 256, tiny-qwen3's LM head took ~120 ms of a ~170 ms step, the host
     ~1.5 ms), and the measured step time moved by its noise (chapter 06). Off by default with trace=True: a
     traced step's snapshot of the block tables is then taken right after it (with overlap it is taken when
-    the step finishes, after the next one has been scheduled)."""
+    the step finishes, after the next one has been scheduled). Off with speculative decoding (EngineConfig
+    refuses both): the next step's drafts and positions depend on how many of this step's were accepted."""
     if want is not None:
         return want
+    if speculative is not None:
+        return False
     return device == "cuda" and not trace
 
 

@@ -230,6 +230,18 @@ class BlockManager:
                 freed.append(block_id)
         return freed
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Keep the blocks that hold seq's first `num_tokens` tokens and free the rest (speculative decoding's
+        rollback, chapter 09: blocks that only rejected drafts wrote). Such blocks were never hashed (a hash
+        needs known tokens), so they go back unhashed. Returns the blocks freed."""
+        keep = self.blocks_for(num_tokens)
+        if keep >= len(seq.block_table):
+            return []
+        freed = self.release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.num_table_resets += 1  # the table shrank: copies of it (the decode block tables) start afresh
+        return freed
+
     # ------------------------------------------------------------------ inspection
     def get_cached_free_block_ids(self) -> list[int]:
         """Free blocks that still hold a hash (reusable by a prefix hit), least-recently-freed first."""

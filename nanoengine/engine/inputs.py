@@ -5,7 +5,8 @@ out in four phases, named as in nano-vllm:
 - decodes: sequences with one new token, first (their rows are 0..num_decodes-1);
 - prefill chunks: then every prompt chunk, with its query start, length, context and block table;
 - block tables: the decodes' tables, padded into one [num_decodes, max_blocks] array;
-- sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token.
+- sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and, for
+  a sequence verifying k drafts (speculative decoding, chapter 09), the k rows after it: a chunk of 1 + k).
 Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
 already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
 the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
@@ -164,7 +165,8 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
-        # prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix
+        # prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix; a speculating
+        # sequence's chunk is its last token and its drafts
         starts, qlens, ctxs = [], [], []
         widest = max(table_lens, default=0)  # block-table columns this step needs
         for s in prefills:
@@ -174,15 +176,20 @@ class InputBuilder:
             ctxs.append(start + n)
             table = seq.block_table
             widest = max(widest, len(table))
-            for pos in range(start, start + n):
-                ids.append(seq.token_ids[pos])
+            known = seq.num_tokens
+            chunk = seq.token_ids[start:start + n]
+            if start + n > known:
+                chunk += seq.spec_token_ids
+            for pos, token in enumerate(chunk, start):
+                ids.append(token)
                 positions.append(pos)
                 # a token whose K/V already sits in a shared prefix-cache block is not written again
                 slots.append(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
                              + pos % block_size)
-            if start + n == seq.num_tokens:  # the chunk reaches the end: this sequence gets a new token
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
+            if start + n >= known:  # the chunk reaches the end: its last known token's row and the drafts'
+                for pos in range(known - 1, start + n):
+                    sample_rows.append(len(ids) - (start + n - pos))
+                    sample_seqs.append(seq)
 
         host = self.host_buffers(len(ids), len(scheduled), widest)
         n = len(ids)

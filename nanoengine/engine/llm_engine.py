@@ -7,6 +7,10 @@ sample the next tokens, let the scheduler append them and apply the stop rules, 
 Completion for text, and record the step's numbers (and, with tracing on, its trace). Every decision lives in
 the component that owns it; the loop only calls them in order. An engine is built by
 `nanoengine.launch.build_engine` (settings -> plan -> parts -> executor), which `LLM` and the server call.
+
+With speculative decoding (chapter 09) the scheduler schedules each decode with its drafts, every position of
+them is sampled, and `verify` keeps the accepted ones (nanoengine.spec.verify) token by token, as if each had
+been a step of its own: the stop rules and stop strings see every token, and the first to stop ends it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import RequestMetrics
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec.ngram import NgramProposer
+from nanoengine.spec.verify import SpecCounts, accepted_tokens
 from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
@@ -60,11 +66,15 @@ class LLMEngine:
         self.block_manager = parts.block_manager_class(executor.num_kv_blocks, plan.block_size,
                                                        plan.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
+        spec = config.speculative_config
+        self.spec_counts = SpecCounts()  # what speculative decoding did (stays zero without it)
+        proposer = {} if spec is None else {"proposer": NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)}
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
                                                max_model_len=plan.max_model_len,
-                                               policy=plan.scheduling_policy)
+                                               policy=plan.scheduling_policy, **proposer)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -199,11 +209,15 @@ class LLMEngine:
         t_known = time.perf_counter()
         finished: list[Sequence] = []
         sampled: list[tuple[Sequence, int]] = []
+        verifying: list[tuple[Sequence, list[int]]] = []  # speculating sequences and their rows' tokens
         late = 0
         for row in step.taken:
             seq = step.sample_seqs[row]
             if seq.is_finished:  # aborted, or stopped by the token before (sampled after this was launched)
                 late += 1
+                continue
+            if seq.spec_token_ids:
+                verifying.append((seq, tokens[row:row + len(seq.spec_token_ids) + 1]))
                 continue
             token = tokens[row]
             if self.scheduler.resolve(seq, token, step.out):
@@ -220,6 +234,8 @@ class LLMEngine:
                 finished.append(seq)
             if delta:
                 deltas.append((req, seq.index, delta))
+        for seq, verified in verifying:
+            deltas += self.verify(seq, verified, step.out, sampled, finished)
         t_end = time.perf_counter()
         t0, t1, t2, t3, t_advanced = step.times
         self.note_times(step.out, sampled, finished, t1, t_known, t_end)
@@ -237,6 +253,38 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.record(step.out, finished, stats, self.scheduler.running, self.block_manager)
         self.step_count += 1
+        return deltas
+
+    def verify(self, seq: Sequence, verified: list[int], out: SchedulerOutput,
+               sampled: list[tuple[Sequence, int]], finished: list[Sequence]
+               ) -> list[tuple[Request, int, str]]:
+        """A speculating sequence's step: the model's tokens at its k + 1 positions decide which drafts it
+        keeps (`accepted_tokens`); each kept token is resolved and pushed in turn, as a step of its own would
+        (the first that stops it ends it: the rest are never appended), and the blocks only rejected drafts
+        wrote are freed. Adds to `sampled` and `finished`; returns the text deltas."""
+        drafts = seq.spec_token_ids
+        new = accepted_tokens(drafts, verified)
+        req = self.requests[seq.request_id]
+        completion = req.completions[seq.index]
+        deltas = []
+        for i, token in enumerate(new):
+            if i:
+                self.scheduler.accept_draft(seq)
+            if self.scheduler.resolve(seq, token, out):
+                finished.append(seq)
+            sampled.append((seq, token))
+            delta = completion.push(token)
+            stop = completion.stop_string
+            if stop is not None and self.scheduler.finish(seq, "stop", stop):
+                finished.append(seq)
+            if delta:
+                deltas.append((req, seq.index, delta))
+            if seq.is_finished:
+                break
+        else:
+            self.scheduler.rollback(seq, out)
+        self.spec_counts.add(len(drafts), min(i + 1, len(new) - 1), i + 1)
+        seq.spec_token_ids = []
         return deltas
 
     def drain(self) -> list[tuple[Request, int, str]]:

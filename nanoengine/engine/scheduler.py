@@ -12,17 +12,26 @@ prompt cannot starve behind a stream of short ones. "skip_ahead" tries up to SKI
 (a short one may fit now) at the risk of that starvation; chapter 05 measures both. Either way a step's
 admission work is bounded by what it admits, however long the queue: a waiting prompt's block hashes are
 computed once (`BlockManager.hashes_of`), and the scan stops where admission cannot go on.
+
+With a proposer (speculative decoding, chapter 09) a decoding sequence asks it for drafts and is scheduled
+with 1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room
+it decodes plainly). Once the model has verified them, `accept_draft` counts each accepted draft and
+`rollback` frees the blocks only rejected drafts wrote.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoengine.config import SCHEDULING_POLICIES
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
+
+if TYPE_CHECKING:
+    from nanoengine.spec.ngram import NgramProposer
 
 SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
@@ -47,9 +56,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, policy: str = "fcfs") -> None:
+                 max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
+                 proposer: NgramProposer | None = None) -> None:
         """The engine's limits come from its plan: a step's token budget, the sequences running at once, the
-        longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead")."""
+        longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead");
+        `proposer`: speculative decoding's (None: off)."""
         if policy not in SCHEDULING_POLICIES:
             raise InvalidValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.policy = policy
@@ -59,6 +70,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = set(eos_token_ids)
+        self.proposer = proposer
         # a sequence can never hold more tokens than the pool has slots (matters for max_tokens=None)
         self._max_len = min(self.max_model_len, block_manager.num_blocks * self.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -114,6 +126,11 @@ class Scheduler:
             if n == 0 or (seq.num_pending_tokens and self.ends_at_length(seq)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
+            if self.proposer is not None:  # a decode verifies its drafts with it
+                seq.spec_token_ids = self.drafts(seq, budget) if n == 1 and not seq.num_pending_tokens else []
+                n += len(seq.spec_token_ids)
+                if seq.spec_token_ids and not bm.can_allocate(seq, n):  # no room for them: plain decode
+                    seq.spec_token_ids, n = [], 1
             if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
                 while not bm.can_allocate(seq, n):
                     victim = self.running.pop()  # the newest; always at index >= i
@@ -181,10 +198,20 @@ class Scheduler:
         bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         return n
 
+    def drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's drafts for a decoding sequence: at most one fewer than the tokens it may still
+        grow by (the model adds one of its own) and than this step's budget left."""
+        room = self._max_len - seq.num_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_completion_tokens)
+        return self.proposer.propose(seq.token_ids, min(room, budget) - 1)
+
     def _preempt(self, seq: Sequence) -> list[int]:
         """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""
         freed = self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -212,7 +239,8 @@ class Scheduler:
             seq = s.seq
             if seq.status is not finished:  # else: aborted between schedule() and now
                 before = seq.num_computed_tokens
-                seq.num_computed_tokens += s.num_new_tokens
+                # (drafts count once accepted: accept_draft)
+                seq.num_computed_tokens += s.num_new_tokens - len(seq.spec_token_ids)
                 if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
                     bm.cache_full_blocks(seq)
         taken = []
@@ -240,6 +268,21 @@ class Scheduler:
         if out is not None:
             out.blocks_freed += freed
         return True
+
+    def accept_draft(self, seq: Sequence) -> None:
+        """The token just resolved was a draft the model accepted: its K/V is in the cache already (the step
+        computed it), so it counts as computed, and the sequence holds the place of the next accepted token
+        (`resolve` it)."""
+        seq.num_computed_tokens += 1
+        seq.append_pending(0)
+
+    def rollback(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+        """After a verification: free the blocks past seq's tokens, which only rejected drafts wrote (their
+        K/V slots in the last kept block are overwritten later). Blocks freed go to out.blocks_freed."""
+        seq.spec_token_ids = []
+        freed = self.block_manager.truncate(seq, seq.num_tokens)
+        if out is not None:
+            out.blocks_freed += freed
 
     def ends_at_length(self, seq: Sequence) -> bool:
         """Whatever its pending tokens turn out to be, they bring seq to its length limit (max_tokens or the

@@ -8,6 +8,10 @@ A step still running on the device (overlap scheduling, chapter 06) leaves a *pe
 the next step can be scheduled (and its input id read on the device) before the token is known on the host.
 `resolve(token)` puts the real token in its place. Pending tokens count for scheduling (`num_tokens`), never
 for what the user sees (`completion_token_ids`, `num_completion_tokens`) or for prefix-cache hashing.
+
+Speculative decoding (chapter 09) keeps a step's drafted tokens apart, in `spec_token_ids`: they are computed
+with the step (1 + k new tokens) but are never in `token_ids` until the model accepted them, so nothing that
+reads `token_ids` (the prefix cache's hashes, the output) ever sees a rejected one.
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ class Sequence:
         # BlockManager.hashes_of) and extended as it grows: a waiting sequence tried at every step hashes
         # nothing again
         self.block_hashes: list[int] = []
-        self.num_table_resets = 0  # times the block manager emptied block_table (a table only grows between)
+        self.num_table_resets = 0  # times the block manager emptied or cut block_table (it grows between)
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.num_preemptions = 0
         self.num_pending_tokens = 0  # placeholders at the end of token_ids (steps in flight; 0..2)
+        self.spec_token_ids: list[int] = []  # this step's drafts, verified after it (speculative decoding)
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the first one's prefill
         self.request_id: str | None = None
         self.index = 0  # which completion of its request (0..n-1)

@@ -1,0 +1,291 @@
+"""Speculative decoding (chapter 09): the n-gram proposer, the acceptance rules, and exactness.
+
+- the proposer, the greedy acceptance rule and the options: plain Python, milliseconds;
+- rejection sampling: the accepted token is distributed as the target's p (chi-square on a small vocabulary,
+  fixed seed), for a real draft distribution q and for a point mass (the n-gram case);
+- exactness of the engine: greedy output with speculation equals greedy output without, token for token,
+  through chunked prefill, prefix hits, preemption, stop strings and ids, and batches mixing speculating and
+  plain sequences. The model is a stub over a fake KV cache whose every slot holds the token prefix its K/V
+  were computed for (the oracle): a rolled-back slot read later, a rejected draft's K/V in a cached block, or
+  a wrong block table changes a later token. A proposer that knows the answer and corrupts some drafts makes
+  every acceptance length happen. Then the same on tiny-qwen3 through the real attention path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.bench.host import StubExecutor, stub_engine
+from nanoengine.config import EngineConfig, SpeculativeConfig
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.inputs import ModelInput
+from nanoengine.errors import InvalidValueError
+from nanoengine.spec.ngram import NgramProposer
+from nanoengine.spec.verify import accepted_tokens, rejection_sample
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+# ---------------------------------------------------------------- proposer, acceptance, options
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    p = NgramProposer(3, max_n=3, min_n=1)
+    # suffix [7, 8] occurred at 1..2 (followed by 9, 10, 11) and at 5..6 (followed by 1, 7, 8): latest wins
+    assert p.propose([5, 7, 8, 9, 10, 11, 7, 8, 1, 7, 8]) == [1, 7, 8]
+    # the longest suffix that matches wins over a later shorter one: [2, 3] matched at 0..1
+    assert p.propose([2, 3, 4, 5, 6, 9, 3, 7, 2, 3]) == [4, 5, 6]
+    assert p.propose([1, 2, 3, 4]) == []  # no earlier occurrence of any suffix
+    assert p.propose([1, 2, 1, 2], max_tokens=1) == [1]
+    assert p.propose([1, 2, 1, 2], max_tokens=0) == []
+    # a run: the latest match is followed by one token only, the earliest by the most
+    assert p.propose([4, 4, 4, 4]) == [4]
+    assert NgramProposer(2, max_n=1).propose([5, 4, 4, 4, 4, 4]) == [4, 4]
+    assert NgramProposer(4, max_n=2, min_n=2).propose([1, 2, 3, 9, 2, 3]) == [9, 2, 3]
+
+
+def test_accepted_tokens_is_the_longest_equal_prefix_plus_the_models_token():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + the bonus token
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the model's token replaces the first miss
+    assert accepted_tokens([5, 6, 7], [1, 6, 7, 8]) == [1]
+    assert accepted_tokens([], [3]) == [3]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "must be <= 16"),
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min=3 is above"),
+    ("{not json", "not valid JSON"),
+])
+def test_speculative_config_errors_name_the_problem(bad, message):
+    with pytest.raises(InvalidValueError, match=message):
+        EngineConfig(speculative_config=bad)
+
+
+def test_speculative_config_accepts_json_and_refuses_overlap():
+    spec = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config  # as the command line gives it
+    assert spec == SpeculativeConfig("ngram", 4)
+    with pytest.raises(InvalidValueError, match="does not overlap steps"):
+        EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+
+
+# ---------------------------------------------------------------- rejection sampling
+CHI2_DF5_P001 = 20.52  # the chi-square critical value for 5 degrees of freedom at p = 0.001
+
+
+def chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=p.numel()).double()
+    expected = p.double() * tokens.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("draft", ["distribution", "point_mass", "same_as_target"])
+def test_rejection_sampling_gives_the_target_distribution(draft):
+    g = torch.Generator().manual_seed(0)
+    V, N = 6, 200_000
+    p = torch.softmax(torch.randn(V, generator=g) * 1.5, dim=0)
+    q = {"distribution": torch.softmax(torch.randn(V, generator=g) * 1.5, dim=0),
+         "point_mass": torch.nn.functional.one_hot(torch.tensor(2), V).float(), "same_as_target": p}[draft]
+    drafts = torch.multinomial(q, N, replacement=True, generator=g)  # [N] drawn from q
+    out = rejection_sample(p.expand(N, V), q.expand(N, V), drafts, generator=g)  # [N]
+    assert chi_square(out, p) < CHI2_DF5_P001, (torch.bincount(out, minlength=V) / N, p)
+    accepted = (out == drafts).double().mean().item()
+    assert abs(accepted - torch.minimum(p, q).sum().item()) < 0.01  # P(accept) = sum min(p, q)
+    # the bonus position (no draft) draws from p too, and a seed reproduces the draws
+    bonus = rejection_sample(p.expand(N, V), q.expand(N, V), torch.full((N,), -1), generator=g)
+    assert chi_square(bonus, p) < CHI2_DF5_P001
+    again = [rejection_sample(p.expand(64, V), q.expand(64, V), drafts[:64],
+                              generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(again[0], again[1])
+
+
+def test_point_mass_rejection_sampling_is_sample_then_compare():
+    """For a deterministic proposer (n-gram) the rule reduces to: draw t ~ p, accept the draft iff t == d.
+    Both give the same joint law of (accepted?, token): checked on the counts of each outcome."""
+    g = torch.Generator().manual_seed(1)
+    V, N, d = 6, 200_000, 3
+    p = torch.softmax(torch.randn(V, generator=g), dim=0)
+    q = torch.nn.functional.one_hot(torch.tensor(d), V).float()
+    rule = rejection_sample(p.expand(N, V), q.expand(N, V), torch.full((N,), d), generator=g)
+    plain = torch.multinomial(p, N, replacement=True, generator=g)
+    assert chi_square(rule, p) < CHI2_DF5_P001 and chi_square(plain, p) < CHI2_DF5_P001
+    assert abs((rule == d).double().mean().item() - p[d].item()) < 0.005
+
+
+# ---------------------------------------------------------------- exactness over a fake KV cache
+STUB_V = 16  # the stub's next tokens come from 0..15 (single characters), so n-grams repeat
+
+
+def next_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """The stub model: logits [STUB_V] that depend on the whole prefix, with a strong preference for a token
+    that follows from the last two (so the n-gram proposer is often, not always, right)."""
+    g = torch.Generator().manual_seed(hash(prefix) % (1 << 31))
+    logits = torch.randn(STUB_V, generator=g)
+    logits[(7 * prefix[-1] + (prefix[-2] if len(prefix) > 1 else 0)) % STUB_V] += 2.5
+    return logits
+
+
+class FakeKVExecutor(StubExecutor):
+    """Every cache slot holds the token prefix its K/V were computed for; each row's prefix is the one in the
+    slot before it (through the row's block table) plus its token; a sampled row's logits are
+    next_logits(prefix)."""
+
+    def __init__(self, plan, num_blocks, seed=0):
+        super().__init__(plan, num_blocks, seed)
+        self.block_size = plan.block_size
+        self.kv: dict[int, tuple[int, ...]] = {}
+
+    def slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def run_step(self, inp: ModelInput, prev_tokens):
+        meta = inp.attn
+        ids, positions, slots = inp.input_ids.tolist(), inp.positions.tolist(), meta.slot_mapping.tolist()
+        tables = [meta.decode_block_tables[r].tolist() for r in range(meta.num_decode_seqs)]
+        for start, n, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                                   meta.prefill_block_tables):
+            tables += [table.tolist()] * n
+        prefixes = []
+        for token, pos, slot, table in zip(ids, positions, slots, tables):
+            before = self.kv[self.slot(table, pos - 1)] if pos else ()
+            assert len(before) == pos, f"slot of position {pos - 1} holds a prefix of {len(before)} tokens"
+            prefixes.append(before + (token,))
+            if slot >= 0:
+                self.kv[slot] = prefixes[-1]
+            else:  # a prefix-cache hit: the slot already holds exactly this
+                assert self.kv[self.slot(table, pos)] == prefixes[-1]
+        rows = inp.sample_rows.tolist()
+        if not rows:
+            return None
+        logits = torch.full((len(rows), 64), -1e4)
+        logits[:, :STUB_V] = torch.stack([next_logits(prefixes[r]) for r in rows])
+        return logits
+
+    def check_cached_blocks(self, bm: BlockManager) -> None:
+        """Every block in the prefix cache holds the K/V of exactly its tokens: no rejected draft's."""
+        for block_id in bm.hash_to_block_id.values():
+            block = bm.blocks[block_id]
+            for j, token in enumerate(block.token_ids):
+                held = self.kv[block_id * self.block_size + j]
+                assert held[-1] == token, f"cached block {block_id} slot {j} holds {held[-1]}, not {token}"
+
+
+class NoisyOracle:
+    """Proposes the answer (the no-speculation run's tokens) with some drafts changed, some shortened, and
+    for some steps nothing: every acceptance length, and batches of speculating and plain sequences."""
+
+    def __init__(self, answers: list[list[int]], k: int = 4, seed: int = 0) -> None:
+        self.answers, self.k, self.rng = answers, k, random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        n = len(token_ids)
+        for answer in self.answers:
+            if answer[:n] == token_ids:
+                drafts = answer[n:n + self.rng.randint(0, min(self.k, max_tokens))]
+                return [t if self.rng.random() < 0.75 else self.rng.randrange(STUB_V) for t in drafts]
+        return []
+
+
+def run(eng, prompts, params, check=None) -> list[tuple]:
+    reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
+    for r in reqs:
+        eng.add(r)
+    while eng.has_unfinished():
+        eng.step()
+        if check is not None:
+            check(eng)
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for r in reqs for c in r.output().outputs]
+
+
+def stub(spec=None, num_blocks=64, **options):
+    options = {"max_num_batched_tokens": 16, "block_size": 4, **options}
+    return stub_engine("tiny-qwen3", False, num_blocks, executor=FakeKVExecutor, speculative_config=spec,
+                       **options)
+
+
+def checker(eng):
+    eng.block_manager.check_invariants(eng.scheduler.running)
+    eng.executor.check_cached_blocks(eng.block_manager)
+
+
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+STUB_PROMPTS = [SHARED + [1], [7], SHARED + [2, 7, 1, 8, 2, 8], [4] * 20, SHARED + [3], [9, 8, 7, 6, 5] * 3]
+
+
+def greedy_params(stop_text: str | None = None, stop_id: int | None = None) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, stop=[stop_text] if stop_text else None),
+            SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id] if stop_id else None,
+                           ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=25, n=2, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("pool", [64, 16])  # 16 blocks of 4 tokens: preemption
+def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
+    plain = run(stub(num_blocks=200), STUB_PROMPTS, greedy_params())
+    stop_text, stop_id = plain[2][1][9:11], plain[3][0][12]  # a stop string and a stop id the runs reach
+    params = greedy_params(stop_text, stop_id)
+    want = run(stub(num_blocks=200), STUB_PROMPTS, params)
+    assert want[2][2:] == ("stop", stop_text) and want[3][2:] == ("stop", stop_id)
+    answers = [list(p) + w[0] for p, w in zip([q for q, sp in zip(STUB_PROMPTS, params) for _ in range(sp.n)],
+                                              want)]
+    for proposer in ["ngram", NoisyOracle(answers)]:
+        eng = stub(NGRAM, num_blocks=pool)
+        if proposer != "ngram":
+            eng.scheduler.proposer = proposer
+        assert run(eng, STUB_PROMPTS, params, checker) == want, proposer
+        counts = eng.spec_counts
+        assert 0 < counts.accepted < counts.proposed  # both kinds of verification happened
+        if pool == 16:
+            assert any(s.num_preemptions for r in eng.requests.values() for s in r.seqs)
+        assert eng.block_manager.num_free_blocks == pool  # everything given back
+
+
+def test_prefix_hits_and_rollback_keep_the_cache_clean():
+    """A prompt whose blocks another request's verified output filled hits them, and the rejected drafts'
+    blocks are back in the free list unhashed."""
+    eng = stub(NGRAM, num_blocks=64)
+    first = run(eng, [SHARED], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)], checker)
+    again = SHARED + first[0][0][:8]  # its prompt + 8 generated tokens: two more full blocks
+    out = run(eng, [again], [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)], checker)
+    req = list(eng.requests.values())[-1]
+    assert req.output().num_cached_tokens == 16  # 4 full blocks of 4: 2 of the prompt, 2 of the output
+    plain = stub(num_blocks=64)
+    assert run(plain, [again], [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]) == out
+    assert eng.block_manager.num_free_blocks == 64
+
+
+def test_seeded_sampling_with_speculation_is_reproducible():
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=20, ignore_eos=True)]
+    runs = [run(stub(NGRAM), STUB_PROMPTS[:2], params, checker) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# ---------------------------------------------------------------- the real model
+def test_tiny_qwen3_greedy_speculation_equals_plain():
+    kw = dict(dtype="float32", max_num_batched_tokens=32, num_kvcache_blocks=10, block_size=16)
+    prompts = ["The paged KV cache stores keys and values in fixed-size blocks, so that one", "Hi",
+               "The paged KV cache stores keys and values in fixed-size blocks, and two", "x " * 30]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM("tiny-qwen3", **kw)
+    outs = plain.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in outs]
+    spec = LLM("tiny-qwen3", speculative_config=NGRAM, **kw)
+    answers = [o.prompt_token_ids + w for o, w in zip(outs, want)]
+    spec.engine.scheduler.proposer = NoisyOracle(answers, k=4, seed=1)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    counts = spec.engine.spec_counts
+    assert 0 < counts.accepted < counts.proposed
+    assert spec.engine.step_count < plain.engine.step_count
