@@ -142,6 +142,7 @@ class FakeKVExecutor(StubExecutor):
         super().__init__(plan, num_blocks, seed)
         self.block_size = plan.block_size
         self.kv: dict[int, tuple[int, ...]] = {}
+        self.recomputed = 0  # K/V written again for the prefix their slot held already
 
     def slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -159,6 +160,7 @@ class FakeKVExecutor(StubExecutor):
             assert len(before) == pos, f"slot of position {pos - 1} holds a prefix of {len(before)} tokens"
             prefixes.append(before + (token,))
             if slot >= 0:
+                self.recomputed += self.kv.get(slot) == prefixes[-1]
                 self.kv[slot] = prefixes[-1]
             else:  # a prefix-cache hit: the slot already holds exactly this
                 assert self.kv[self.slot(table, pos)] == prefixes[-1]
@@ -194,14 +196,21 @@ class NoisyOracle:
         return []
 
 
+MAX_STEPS = 2000  # a run that takes longer is stuck
+
+
 def run(eng, prompts, params, check=None) -> list[tuple]:
     reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
     for r in reqs:
         eng.add(r)
-    while eng.has_unfinished():
+    for _ in range(MAX_STEPS):
+        if not eng.has_unfinished():
+            break
         eng.step()
         if check is not None:
             check(eng)
+    else:
+        raise AssertionError(f"the requests did not finish in {MAX_STEPS} steps")
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for r in reqs for c in r.output().outputs]
 
 
@@ -212,8 +221,11 @@ def stub(spec=None, num_blocks=64, **options):
 
 
 def checker(eng):
-    eng.block_manager.check_invariants(eng.scheduler.running)
-    eng.executor.check_cached_blocks(eng.block_manager)
+    bm = eng.block_manager
+    bm.check_invariants(eng.scheduler.running)
+    eng.executor.check_cached_blocks(bm)
+    for seq in eng.scheduler.running:  # rolled back: no block past the known tokens' (rejected drafts')
+        assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), seq
 
 
 SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -248,6 +260,8 @@ def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
         assert 0 < counts.accepted < counts.proposed  # both kinds of verification happened
         if pool == 16:
             assert any(s.num_preemptions for r in eng.requests.values() for s in r.seqs)
+        else:  # an accepted draft's K/V is kept, never computed again
+            assert eng.executor.recomputed == 0
         assert eng.block_manager.num_free_blocks == pool  # everything given back
 
 
