@@ -71,7 +71,7 @@ def test_speculative_config_errors_name_the_problem(bad, message):
 
 
 def test_speculative_config_accepts_json_and_refuses_overlap():
-    spec = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config  # as the command line gives it
+    spec = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config  # as the command line has it
     assert spec == SpeculativeConfig("ngram", 4)
     with pytest.raises(InvalidValueError, match="does not overlap steps"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
@@ -151,8 +151,7 @@ class FakeKVExecutor(StubExecutor):
         meta = inp.attn
         ids, positions, slots = inp.input_ids.tolist(), inp.positions.tolist(), meta.slot_mapping.tolist()
         tables = [meta.decode_block_tables[r].tolist() for r in range(meta.num_decode_seqs)]
-        for start, n, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
-                                   meta.prefill_block_tables):
+        for n, table in zip(meta.prefill_query_lens, meta.prefill_block_tables):
             tables += [table.tolist()] * n
         prefixes = []
         for token, pos, slot, table in zip(ids, positions, slots, tables):

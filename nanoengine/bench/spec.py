@@ -1,0 +1,137 @@
+"""Speculative decoding's benchmark: acceptance, tokens per target forward, single-stream decode speed with
+and without it. Chapter 09.
+
+    python -m nanoengine.bench.spec                                         # SmolLM2-135M, 256 tokens a task
+    python -m nanoengine.bench.spec --model tiny-qwen3 --max-tokens 32      # a smoke run (seconds)
+
+One request at a time (a single stream: the memory-bound case speculation is for), greedy, the same number
+of tokens with and without speculation (ignore_eos), for two tasks:
+- `grounded`: correct the spelling of a passage given in the prompt (the answer copies most of it: n-gram
+  lookup's best case);
+- `free`: a story from a one-line instruction (little to copy: the lookup mostly misses or is rejected, and
+  what speculation costs there shows).
+For each: decode tokens/s without and with (from the first token to the last, so the prompt's prefill is
+left out), the speedup, the drafts' acceptance rate, tokens per target forward (decode tokens / decode
+steps; 1 without speculation), and whether both produced the same tokens (they must: greedy speculation is
+exact). Each engine runs each task once as a warm-up before the measured `--repeats`. JSON in `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from nanoengine import LLM, SamplingParams
+
+# a passage with three spelling mistakes (fixd, phisical, alocated) for the grounded task to correct
+PASSAGE = ("The paged KV cache splits the keys and values of every sequence into fixd-size blocks. A block "
+           "table maps each sequence's logical blocks to phisical ones, so memory is alocated on demand and "
+           "freed blocks are reused at once. Because blocks are shared by reference, two requests with the "
+           "same system prompt can point at the same physical blocks, and the prefix is computed only once. "
+           "When the pool runs out, the scheduler preempts the newest request and recomputes it later.")
+TASKS = {
+    "grounded": [{"role": "user", "content": "Correct the spelling mistakes in this passage and write it out "
+                  f"in full:\n\n{PASSAGE}"}],
+    "free": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a map."}],
+}
+
+
+def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str, Any]:
+    """One request alone: its tokens, decode tokens/s and decode steps, and what speculation did."""
+    eng = llm.engine
+    steps, counts = eng.step_count, dict(eng.spec_counts.as_dict())
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    m = out.metrics
+    tokens = out.outputs[0].token_ids
+    decode_steps = eng.step_count - steps - 1  # (one prefill step: the prompt fits the budget)
+    after = eng.spec_counts.as_dict()
+    proposed, accepted = after["proposed"] - counts["proposed"], after["accepted"] - counts["accepted"]
+    return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (m.finished_time - m.first_token_time),
+            "decode_steps": decode_steps, "tokens_per_forward": (len(tokens) - 1) / max(decode_steps, 1),
+            "proposed": proposed, "accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None}
+
+
+def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threads: int | None,
+            prompt_lookup_max: int = 4, prompt_lookup_min: int = 2) -> dict[str, Any]:
+    if threads:
+        torch.set_num_threads(threads)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": prompt_lookup_max,
+            "prompt_lookup_min": prompt_lookup_min}
+    engines = {"plain": LLM(model, dtype=dtype), "ngram": LLM(model, dtype=dtype, speculative_config=spec)}
+    tasks: dict[str, Any] = {}
+    for task, messages in TASKS.items():
+        runs: dict[str, list[dict]] = {}
+        for name, llm in engines.items():
+            run_task(llm, messages, params)  # warm-up
+            runs[name] = [run_task(llm, messages, params) for _ in range(repeats)]
+        plain, fast = runs["plain"], runs["ngram"]
+        tok_s = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
+        last = fast[-1]
+        tasks[task] = {
+            "decode_tok_s_plain": tok_s["plain"], "decode_tok_s_ngram": tok_s["ngram"],
+            "speedup": tok_s["ngram"] / tok_s["plain"],
+            "acceptance_rate": last["acceptance_rate"],
+            "tokens_per_target_forward": last["tokens_per_forward"],
+            "tokens_per_target_forward_plain": plain[-1]["tokens_per_forward"],
+            "proposed": last["proposed"], "accepted": last["accepted"],
+            "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + fast),
+            "output_tokens": len(last["tokens"]),
+            "text": engines["plain"].get_tokenizer().decode(plain[0]["tokens"])[:400],
+            "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
+                     for name, rs in runs.items()}}
+    device = engines["plain"].plan.device
+    for llm in engines.values():
+        llm.engine.close()
+    from nanoengine.bench import hardware
+
+    hw = hardware.describe(device)
+    hw["threads"] = torch.get_num_threads()
+    return {"model": model, "workload": f"spec-ngram-k{k}", "hardware": hw, "speculative_config": spec,
+            "max_tokens": max_tokens, "repeats": repeats, "dtype": dtype, "tasks": tasks}
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (f"{'task':<10} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} {'accepted':>9} "
+            f"{'tok/forward':>12} {'same':>5}")
+    lines = [head, "-" * len(head)]
+    for task, t in result["tasks"].items():
+        rate = "-" if t["acceptance_rate"] is None else f"{100 * t['acceptance_rate']:.0f}%"
+        lines.append(f"{task:<10} {t['decode_tok_s_plain']:>12.1f} {t['decode_tok_s_ngram']:>12.1f} "
+                     f"{t['speedup']:>7.2f}x {rate:>9} {t['tokens_per_target_forward']:>12.2f} "
+                     f"{str(t['same_tokens']):>5}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanoengine.bench.spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="asset name or local Hugging Face folder")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="2: a single repeated token proposes "
+                   "nothing (in free text such proposals are almost always rejected)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per task")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per task and engine (median)")
+    p.add_argument("--dtype", default="float32", help="float32: both engines bit-exact (in bf16 even a "
+                   "prefix hit changes a greedy output: the rounding depends on the batch shape)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out-dir", default="bench_results")
+    args = p.parse_args(argv)
+    result = measure(args.model, args.num_speculative_tokens, args.max_tokens, args.repeats, args.dtype,
+                     args.threads, args.prompt_lookup_max, args.prompt_lookup_min)
+    print(table(result))
+    from nanoengine.bench.report import result_name, write_json
+
+    path = write_json(result, args.out_dir, f"spec_{result_name(result)}")
+    print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
