@@ -285,6 +285,42 @@ def test_seeded_sampling_with_speculation_is_reproducible():
     assert runs[0] == runs[1]
 
 
+class StubPreference:
+    """Proposes the token the stub model prefers after the last two, chained (a deterministic proposer, as
+    n-gram: right about half the time at temperature 1)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        ids = list(token_ids)
+        for _ in range(min(3, max_tokens)):
+            ids.append((7 * ids[-1] + ids[-2]) % STUB_V)
+        return ids[len(token_ids):]
+
+
+CHI2_DF15_P001 = 37.70
+
+
+def test_sampled_speculation_follows_the_models_distribution():
+    """The 2nd and 3rd sampled tokens of many seeded requests (positions drafts decide) against their exact
+    marginal laws under the stub model, by chi-square on its 16 tokens."""
+    prompt, n = [1, 2], 1500
+    eng = stub(NGRAM, num_blocks=2048, max_num_batched_tokens=4096, max_num_seqs=256)
+    eng.scheduler.proposer = StubPreference()
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
+    out = run(eng, [prompt] * n, params)
+    assert eng.spec_counts.accepted > n // 4 and eng.spec_counts.accepted < eng.spec_counts.proposed
+
+    def probs(prefix):
+        return torch.softmax(next_logits(tuple(prefix)), dim=0)
+
+    p1 = probs(prompt)
+    p2 = sum(p1[a] * probs(prompt + [a]) for a in range(STUB_V))
+    p3 = sum(p1[a] * probs(prompt + [a])[b] * probs(prompt + [a, b])
+             for a in range(STUB_V) for b in range(STUB_V))
+    for i, law in [(1, p2), (2, p3)]:
+        tokens = torch.tensor([o[0][i] for o in out])
+        assert chi_square(tokens, law) < CHI2_DF15_P001, i
+
+
 # ---------------------------------------------------------------- the real model
 def test_tiny_qwen3_greedy_speculation_equals_plain():
     kw = dict(dtype="float32", max_num_batched_tokens=32, num_kvcache_blocks=10, block_size=16)

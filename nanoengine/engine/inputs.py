@@ -191,7 +191,8 @@ class InputBuilder:
                     sample_rows.append(len(ids) - (start + n - pos))
                     sample_seqs.append(seq)
 
-        host = self.host_buffers(len(ids), len(scheduled), widest)
+        # (a speculating sequence samples 1 + k rows)
+        host = self.host_buffers(len(ids), max(len(scheduled), len(sample_rows)), widest)
         n = len(ids)
         host.ids[:n] = ids
         host.positions[:n] = positions
