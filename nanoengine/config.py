@@ -180,6 +180,9 @@ class EngineConfig:
               "speculative decoding does not overlap steps (the next step's drafts and positions depend on "
               "how many of this step's were accepted); use async_scheduling=False or None with "
               "speculative_config")
+        check(not (self.speculative_config and self.trace),
+              "trace=True with speculative_config is not supported yet (a step trace records one decode "
+              "token per sequence, not its drafts); trace without speculation, or speculate without trace")
 
     def _check_types(self) -> None:
         """Each option has the type its annotation says (bool is not an int here, an int is a float)."""

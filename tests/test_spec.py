@@ -47,6 +47,29 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert NgramProposer(4, max_n=2, min_n=2).propose([1, 2, 3, 9, 2, 3]) == [9, 2, 3]
 
 
+def lookup_by_definition(token_ids, k, max_n, min_n):
+    """The proposer's rule, written the slow way: for n = max_n..min_n, every earlier place the n-token
+    suffix occurs; the latest followed by k tokens, else the earliest."""
+    size = len(token_ids)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        starts = [s for s in range(size - n) if token_ids[s:s + n] == token_ids[size - n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= size]
+            s = full[-1] if full else starts[0]
+            return token_ids[s + n:s + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_its_definition_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(rng.randint(1, 30))]
+        k, max_n = rng.randint(1, 5), rng.randint(1, 4)
+        min_n = rng.randint(1, max_n)
+        assert NgramProposer(k, max_n, min_n).propose(ids) == lookup_by_definition(ids, k, max_n, min_n), \
+            (ids, k, max_n, min_n)
+
+
 def test_accepted_tokens_is_the_longest_equal_prefix_plus_the_models_token():
     assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + the bonus token
     assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the model's token replaces the first miss
@@ -75,6 +98,8 @@ def test_speculative_config_accepts_json_and_refuses_overlap():
     assert spec == SpeculativeConfig("ngram", 4)
     with pytest.raises(InvalidValueError, match="does not overlap steps"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(InvalidValueError, match="trace=True with speculative_config is not supported yet"):
+        EngineConfig(speculative_config=NGRAM, trace=True)
 
 
 # ---------------------------------------------------------------- rejection sampling
@@ -338,3 +363,17 @@ def test_tiny_qwen3_greedy_speculation_equals_plain():
     counts = spec.engine.spec_counts
     assert 0 < counts.accepted < counts.proposed
     assert spec.engine.step_count < plain.engine.step_count
+
+
+def test_spec_bench_writes_its_figures(tmp_path):
+    from nanoengine.bench import spec as bench
+
+    argv = ["--model", "tiny-qwen3", "--max-tokens", "8", "--repeats", "1", "--out-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    result = json.loads(next(tmp_path.glob("spec_*.json")).read_text())
+    assert result["speculative_config"]["num_speculative_tokens"] == 4
+    for task in ("grounded", "free"):
+        t = result["tasks"][task]
+        assert t["same_tokens"] and t["output_tokens"] == 8
+        assert t["tokens_per_target_forward"] >= 1 == t["tokens_per_target_forward_plain"]
+        assert t["decode_tok_s_plain"] > 0 and t["decode_tok_s_ngram"] > 0

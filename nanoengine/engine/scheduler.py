@@ -31,7 +31,7 @@ from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
 
 if TYPE_CHECKING:
-    from nanoengine.spec.ngram import NgramProposer
+    from nanoengine.spec.ngram import Proposer
 
 SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
@@ -57,7 +57,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         """The engine's limits come from its plan: a step's token budget, the sequences running at once, the
         longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead");
         `proposer`: speculative decoding's (None: off)."""

@@ -10,6 +10,16 @@ continuation: in a run "a a a a" the latest match is followed by one token only)
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts (plain Python: any object with this method will do)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """At most max_tokens (and the proposer's own k) tokens to follow `token_ids`; [] for none."""
+        ...
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, max_n: int = 4, min_n: int = 1) -> None:
@@ -19,20 +29,29 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) tokens that followed the latest earlier occurrence of the longest suffix
-        of `token_ids` (n = max_n..min_n tokens); [] when no suffix occurs before."""
+        of `token_ids` (n = max_n..min_n tokens); [] when no suffix occurs before. One pass over the places
+        the last token occurred before, each matched backwards (a scheduler asks this for every decoding
+        sequence at every step)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         size = len(token_ids)
-        if k <= 0:
+        if k <= 0 or size < 2:
             return []
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            suffix = token_ids[size - n:]
-            last = suffix[-1]
-            found = None
-            for start in range(size - n - 1, -1, -1):  # latest first; the suffix itself is excluded
-                if token_ids[start + n - 1] == last and token_ids[start:start + n] == suffix:
-                    found = start
-                    if start + n + k <= size:
-                        break
-            if found is not None:
-                return token_ids[found + n:found + n + k]
-        return []
+        last = token_ids[-1]
+        ends = [e for e, t in enumerate(token_ids) if t == last]  # where an occurrence of a suffix ends
+        ends.pop()  # (the suffix itself)
+        best_n, latest_full, earliest = 0, None, None
+        for e in reversed(ends):  # latest first
+            n = 1
+            while n < self.max_n and n <= e and token_ids[e - n] == token_ids[size - 1 - n]:
+                n += 1
+            if n < self.min_n or n < best_n:
+                continue
+            if n > best_n:  # a longer match: start over
+                best_n, latest_full = n, None
+            if latest_full is None and e + k < size:
+                latest_full = e
+            earliest = e
+        if best_n == 0:
+            return []
+        e = latest_full if latest_full is not None else earliest
+        return token_ids[e + 1:e + 1 + k]
