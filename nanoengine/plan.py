@@ -153,6 +153,11 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
                                 "'auto'")
     check_tensor_parallel(config.tensor_parallel_size, device, hf_config, launch)
+    if config.speculative_config is not None and pieces.schedule_pieces:
+        raise InvalidValueError(f"EngineConfig: speculative_config needs the engine's own scheduler, which "
+                                f"gives a decode its drafts, but {pieces.option} replaces its pass with "
+                                f"yours ({', '.join(pieces.schedule_pieces)}); leave those out, or "
+                                "speculative_config")
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = pick_attention_backend(config, device, dtype, pieces)
     block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]

@@ -365,6 +365,20 @@ def test_tiny_qwen3_greedy_speculation_equals_plain():
     assert spec.engine.step_count < plain.engine.step_count
 
 
+def test_the_learners_pieces_run_with_speculation_or_are_refused_clearly():
+    """The learner's prefix cache (ch04) verifies drafts as the engine's does; their own scheduler pass (ch05)
+    knows nothing of drafts, so that pair is refused instead of speculating never."""
+    prompt = ["The cat sat on the mat. The cat sat on the mat. The cat"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = LLM("tiny-qwen3", dtype="float32").generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    mine = LLM("tiny-qwen3", dtype="float32", use_exercises=["ch04"], exercises_dir="solutions",
+               speculative_config=NGRAM)
+    assert mine.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert mine.engine.spec_counts.accepted > 0, "the repeated sentence should be drafted and accepted"
+    with pytest.raises(InvalidValueError, match="speculative_config needs the engine's own scheduler"):
+        LLM("tiny-qwen3", use_exercises=["ch05"], exercises_dir="solutions", speculative_config=NGRAM)
+
+
 def test_spec_bench_writes_its_figures(tmp_path):
     from nanoengine.bench import spec as bench
 

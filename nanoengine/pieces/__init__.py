@@ -61,6 +61,7 @@ PIECES = {
 # no torch.compile, no CUDA graphs; the backends each can plug into, the first being the default
 FORWARD_CHAPTERS = {"ch02": ("torch", "cpu"), "ch03": ("torch",)}
 GRAPH_CHAPTERS = ("ch06",)  # pieces that bring their own decode graphs (the CPU stand-in)
+SCHEDULE_CHAPTERS = ("ch05",)  # pieces that replace the scheduler's pass (they know nothing of drafts)
 BACKEND_ORDER = ("torch", "cpu")  # the attention backends pieces plug into, by preference
 
 
@@ -173,6 +174,12 @@ class PieceSelection:
     def graph_pieces(self) -> tuple[str, ...]:
         """The chosen chapters that bring their own decode graphs (a CPU stand-in of CUDA graphs)."""
         return tuple(c for c in self.chapters if c in GRAPH_CHAPTERS)
+
+    @property
+    def schedule_pieces(self) -> tuple[str, ...]:
+        """The chosen chapters whose pieces schedule each step themselves (speculative decoding needs the
+        engine's own pass, which gives a decode its drafts)."""
+        return tuple(c for c in self.chapters if c in SCHEDULE_CHAPTERS)
 
     @property
     def attention_backends(self) -> tuple[str, ...]:
