@@ -2,11 +2,14 @@
 
 The model takes one flat batch of new tokens from many sequences. `InputBuilder.build(scheduled)` lays it
 out in four phases, named as in nano-vllm:
-- decodes: sequences with one new token, first (their rows are 0..num_decodes-1);
+- decodes: sequences with one new token, first (their rows are 0..num_decodes-1); a sequence verifying k
+  drafts (speculative decoding, chapter 09) is 1 + k decode rows, its last token and its drafts at positions
+  p..p+k, each attending up to its own position (every row's K/V is stored before any row attends), so the
+  step stays decode-only: the fused CPU step and CUDA graphs run it;
 - prefill chunks: then every prompt chunk, with its query start, length, context and block table;
-- block tables: the decodes' tables, padded into one [num_decodes, max_blocks] array;
-- sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and, for
-  a sequence verifying k drafts (speculative decoding, chapter 09), the k rows after it: a chunk of 1 + k).
+- block tables: the decode rows' tables, padded into one [num_decode_rows, max_blocks] array;
+- sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and every
+  row of a verifying sequence: 1 + k).
 Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
 already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
 the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
@@ -142,26 +145,42 @@ class InputBuilder:
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        # a decode verifying k drafts is 1 + k decode rows (positions p..p+k, each attending up to its own),
+        # so the step stays decode-only (graphs, the fused CPU step); the learner's metadata sees a chunk
+        rows_ok = self.attention_metadata is None
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 or (rows_ok and verifies(s))]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1 and not (rows_ok and verifies(s))]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        table_lens: list[int] = []  # each decode's block-table length
+        row_seqs: list[Sequence] = []  # each decode row's sequence
+        table_lens: list[int] = []  # each decode row's block-table length
         block_size = self.block_size
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
         for s in decodes:
             seq = s.seq
             pos = seq.num_computed_tokens
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(-1 if pos < seq.num_cached_tokens
-                         else seq.block_table[pos // block_size] * block_size + pos % block_size)
-            table_lens.append(len(seq.block_table))
-            if pos + 1 == seq.num_tokens:
+            table = seq.block_table
+            if s.num_new_tokens == 1:
+                ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(-1 if pos < seq.num_cached_tokens
+                             else table[pos // block_size] * block_size + pos % block_size)
+                table_lens.append(len(table))
+                row_seqs.append(seq)
+                if pos + 1 == seq.num_tokens:
+                    sample_rows.append(len(ids) - 1)
+                    sample_seqs.append(seq)
+                continue
+            for p, token in enumerate([seq.token_ids[pos], *seq.spec_token_ids], pos):  # every row sampled
+                ids.append(token)
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+                table_lens.append(len(table))
+                row_seqs.append(seq)
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
@@ -192,13 +211,13 @@ class InputBuilder:
                     sample_seqs.append(seq)
 
         # (a speculating sequence samples 1 + k rows)
-        host = self.host_buffers(len(ids), max(len(scheduled), len(sample_rows)), widest)
+        host = self.host_buffers(len(ids), max(len(scheduled), len(sample_rows), len(row_seqs)), widest)
         n = len(ids)
         host.ids[:n] = ids
         host.positions[:n] = positions
         host.sample_rows[:len(sample_rows)] = sample_rows
         rows = host.sample_rows_t[:len(sample_rows)]
-        nd = len(decodes)
+        nd = len(row_seqs)
         # only a decode's input can be a pending token (a sequence whose last step is still in flight)
         prev = self.last_num_sampled if nd and host.ids[:nd].min() < 0 else 0
         self.last_num_sampled = len(sample_rows)
@@ -210,8 +229,8 @@ class InputBuilder:
         host.slots[:n] = slots
         # block tables of the decodes, and their context lengths (the new token included)
         if decodes:
-            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(decodes, table_lens)]
-            host.context_lens[:nd] = [s.seq.num_computed_tokens + 1 for s in decodes]
+            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(row_seqs, table_lens)]
+            host.context_lens[:nd] = [p + 1 for p in positions[:nd]]  # each row's context, its token included
             dctx = host.context_lens_t[:nd]
         else:
             dtables = dctx = None
@@ -253,14 +272,14 @@ class InputBuilder:
             t.record_stream(step_stream)
         return inp
 
-    def decode_block_tables(self, decodes: list[Any], lens: list[int]) -> int:
-        """Fill host.decode_tables[:num_decodes] with the decodes' block tables (`lens` long), padded with
-        0; return the width (the longest table). Consecutive steps mostly decode the same sequences, and a
-        table only grows (by one block every block_size tokens) until the block manager empties it
-        (preemption, counted in seq.num_table_resets), so the rows of the last step are kept and only those
-        whose table grew are written."""
+    def decode_block_tables(self, seqs: list[Sequence], lens: list[int]) -> int:
+        """Fill host.decode_tables[:num_rows] with the block tables of the decode rows' sequences (`lens`
+        long), padded with 0; return the width (the longest table). Consecutive steps mostly decode the same
+        sequences, and a table only grows (by one block every block_size tokens) until the block manager
+        empties or cuts it (preemption, a rollback: counted in seq.num_table_resets), so the rows of the last
+        step are kept and only those whose table grew are written."""
         host = self.host
-        ids = [(s.seq.seq_id, s.seq.num_table_resets) for s in decodes]
+        ids = [(seq.seq_id, seq.num_table_resets) for seq in seqs]
         buf = host.decode_tables
         if ids != host.decode_ids:  # another batch: start afresh
             rows, cols = host.dirty
@@ -270,11 +289,16 @@ class InputBuilder:
         old = host.decode_lens
         for i, n in enumerate(lens):
             if n != old[i]:
-                buf[i, old[i]:n] = decodes[i].seq.block_table[old[i]:n]  # tables only ever grow at the end
+                buf[i, old[i]:n] = seqs[i].block_table[old[i]:n]  # tables only ever grow at the end
                 old[i] = n
         width = max(lens)
         host.dirty = (max(host.dirty[0], len(lens)), max(host.dirty[1], width))
         return width
+
+
+def verifies(s: Any) -> bool:
+    """A scheduled decode with drafts to verify (speculative decoding): its last token and its drafts."""
+    return bool(s.seq.spec_token_ids) and s.num_new_tokens == 1 + len(s.seq.spec_token_ids)
 
 
 def tensors_of(inp: ModelInput) -> list[torch.Tensor]:
