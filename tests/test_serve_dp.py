@@ -146,9 +146,9 @@ def test_a_replica_dies_with_its_parent_however_the_parent_ends():
     """The front end killed outright (no clean-up of its own): its replicas go by PR_SET_PDEATHSIG. Here the
     parent is a small Python process that starts `sleep` as the front end starts a replica."""
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time\n"
-        "from nanoengine.serve.data_parallel import _die_with_parent\n"
-        "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent())\n"
+        "import os, signal, subprocess, sys, time\n"
+        "from nanoengine.distributed.launcher import die_with_parent\n"
+        "child = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent(os.getpid(), signal.SIGTERM))\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:

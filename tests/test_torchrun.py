@@ -10,7 +10,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from tp_workload import GREEDY, PROMPTS, TORCHRUN_OPTIONS
 
 from nanoengine import LLM
+from nanoengine.bench.tp_launch import free_port, loopback_node
 from nanoengine.distributed import launcher
 from nanoengine.errors import InvalidValueError
 
@@ -28,20 +28,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 distributed = pytest.mark.xdist_group("notebooks")  # these start several processes (as test_tp's do)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def node(rank: int, port: int, *command: str, nproc: int = 1, nnodes: int = 2) -> subprocess.Popen:
-    """One torchrun launcher ("node" `rank` of `nnodes`) on loopback, running `command` on `nproc` ranks. The
-    static rendezvous: node 0 hosts the store at 127.0.0.1:port and holds rank 0 (with c10d's the ranks go in
-    the order the nodes join, and the store lives with whichever node bound the endpoint first)."""
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "--local-addr=127.0.0.1", "--max-restarts=0", *command]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    """One torchrun launcher ("node" `rank` of `nnodes`) on loopback, running `command` on `nproc` ranks."""
+    return subprocess.Popen(loopback_node(rank, port, *command, nnodes=nnodes, nproc=nproc),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             start_new_session=True)
 

@@ -50,17 +50,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_node(node_rank: int, port: int, *command: str, nnodes: int = 2, nproc: int = 1) -> list[str]:
+    """The torchrun command of "node" `node_rank` of `nnodes` on this machine, running `command` on `nproc`
+    ranks. The static rendezvous: node 0 hosts the store at 127.0.0.1:port and holds rank 0 (with c10d's the
+    ranks go in the order the nodes join, and the store lives with whichever node bound the endpoint first).
+    Also tests/test_torchrun.py's."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--local-addr=127.0.0.1", "--max-restarts=0", *command]
+
+
 def two_launchers(model: str, threads: int, timeout_s: float = 900) -> dict[str, Any]:
     """TP=2 from two torchrun launchers (--nnodes 2, static rendezvous on 127.0.0.1), one rank each."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                                   "--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1",
-                                   f"--master-port={port}", "--local-addr=127.0.0.1", "--max-restarts=0",
-                                   "-m", "nanoengine.bench.tp_launch", "--model", model, "--job", str(out)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = ("-m", "nanoengine.bench.tp_launch", "--model", model, "--job", str(out))
+        nodes = [subprocess.Popen(loopback_node(rank, port, *job), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
                  for rank in range(2)]
         logs = [n.communicate(timeout=timeout_s)[0] for n in nodes]
         if any(n.returncode for n in nodes):

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -87,15 +88,20 @@ def store(launch: Launched, timeout: timedelta) -> dist.Store:
                          wait_for_workers=False)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (the launcher) dies, even by SIGKILL."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A function that asks Linux to send the calling process `sig` when its parent `parent` dies, even by
+    SIGKILL (PR_SET_PDEATHSIG), and exits at once if the parent is gone already; a no-op off Linux. The C
+    function is looked up here, so the result may also run in a forked child before exec (a Popen
+    preexec_fn: pass this process's pid). A launcher's rank calls it on itself with its parent's pid."""
     if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before we asked
-        os._exit(1)
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def ask() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # it died before we asked
+            os._exit(1)
+    return ask
 
 
 def exit_soon_when_told(where: str) -> None:

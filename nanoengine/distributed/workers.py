@@ -5,7 +5,7 @@ Rank 0 is the user's process: it schedules, builds the inputs and samples (`dist
 the ranks through a `Ranks`). Two kinds, one interface (`send`, `replies`, `lockstep`, `close`):
 - `LocalWorkers`: rank 0 starts ranks 1..N-1 on this machine as their own program (`python -m
   nanoengine.distributed.worker`, so the user's script is not imported again there) and talks to each over a
-  socket pair (`channel.PipeChannel`, the local fast path), watching its exit through Linux's pidfd;
+  socket pair (`channel.PipeChannel`), watching its exit through Linux's pidfd;
 - `LauncherRanks`: a launcher (torchrun) started every rank, on one machine or several (`launcher.py`); the
   calls travel by broadcast over a gloo group (`channel.BroadcastChannel`).
 Every rank runs the same loop (`worker.serve_calls`): build its ModelRunner from rank 0's plan (its shard of
@@ -135,7 +135,7 @@ class Ranks(ABC):
         ours."""
 
     @abstractmethod
-    def stop(self) -> None:
+    def close(self) -> None:
         """Stop (or leave) the other ranks; safe to call twice."""
 
     def check(self) -> None:
@@ -143,9 +143,6 @@ class Ranks(ABC):
         if self.error is not None:
             raise WorkerError("the tensor-parallel workers were stopped after a failure "
                               f"({self.error.splitlines()[0]}); build a new LLM")
-
-    def close(self) -> None:
-        self.stop()
 
     def broken(self, err: Exception) -> Exception:
         """Record why the group broke, stop every worker, and return err to raise."""
@@ -293,7 +290,7 @@ class LocalWorkers(Ranks):
                 "(__main__), which the workers, their own program, do not import (pickle sends functions by "
                 "name); define it in a module you import, or pass a ModelRunner method's name")
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self._finalizer()
 
     def deliver(self, message: tuple) -> None:
@@ -370,7 +367,7 @@ class LauncherRanks(Ranks):
                                     "the other ranks stopped when the first one closed; build one LLM per "
                                     "job (or keep the first one open)")
         LauncherRanks.joined = True
-        launcher.die_with_parent()
+        launcher.die_with_parent(os.getppid())()  # a node whose torchrun is killed leaves no rank behind
         self.size, self.rank, self.local_rank = launch.world_size, launch.rank, launch.local_rank
         self.where = launch.where
         store = launcher.store(launch, COLLECTIVE_TIMEOUT)
@@ -403,7 +400,7 @@ class LauncherRanks(Ranks):
     def replies(self) -> list[Any]:
         return self.channel.replies()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if self.error is not None:  # broken: leaving the group fails the others' next collective; they exit
             self._finalizer.detach()
             leave_group()

@@ -29,7 +29,6 @@ from torch import nn
 
 from nanoengine.errors import InvalidValueError
 
-QUANTIZATIONS = ("int8",)  # EngineConfig.quantization's values (None: the checkpoint's weights)
 GROUP_SIZE = 32  # input columns per scale (see the module docstring)
 INT8_MAX = 127  # symmetric: [-127, 127]
 

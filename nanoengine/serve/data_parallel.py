@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import secrets
@@ -51,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from nanoengine.config import EngineConfig
+from nanoengine.distributed import launcher
 from nanoengine.errors import InvalidValueError
 from nanoengine.flags import engine_flags
 from nanoengine.serve.limits import ServerLimits
@@ -84,29 +84,14 @@ def exit_status(returncode: int) -> str:
         return f"was killed by signal {-returncode}"
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A Popen preexec_fn: the child gets SIGTERM when its parent ends (Linux's PR_SET_PDEATHSIG; None
-    elsewhere). The C function is looked up here, before the fork: the child only calls it."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent ended before prctl took effect
-            os._exit(1)
-    return preexec
-
-
 class Replica:
     """One `nanoengine serve` process on loopback; its output goes to our stderr, each line prefixed."""
 
     def __init__(self, index: int, argv: list[str], env: dict[str, str]) -> None:
         self.index = index
+        dies_with_us = launcher.die_with_parent(os.getpid(), signal.SIGTERM)  # its own clean shutdown
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, preexec_fn=_die_with_parent())
+                                     env=env, preexec_fn=dies_with_us)
         self.url: str | None = None  # http://127.0.0.1:PORT, once it listens
         self.about = ""  # its startup line's (device, dtype, KV blocks)
         self.ready = threading.Event()  # it printed its address, or its output ended
