@@ -36,8 +36,8 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.outputs import RequestMetrics
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.spec.ngram import NgramProposer
-from nanoengine.spec.verify import SpecCounts, accepted_tokens
+from nanoengine.spec import make_proposer
+from nanoengine.spec.verify import SpecCounts
 from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
@@ -66,15 +66,14 @@ class LLMEngine:
         self.block_manager = parts.block_manager_class(executor.num_kv_blocks, plan.block_size,
                                                        plan.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
-        spec = config.speculative_config
         self.spec_counts = SpecCounts()  # what speculative decoding did (stays zero without it)
-        proposer = {} if spec is None else {"proposer": NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)}
+        self.accept = parts.accept  # which drafts a verification keeps
+        proposer = make_proposer(config.speculative_config, plan, tokenizer, parts.ngram_proposer_class)
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
                                                max_model_len=plan.max_model_len,
-                                               policy=plan.scheduling_policy, **proposer)
+                                               policy=plan.scheduling_policy, proposer=proposer)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -263,7 +262,7 @@ class LLMEngine:
         (the first that stops it ends it: the rest are never appended), and the blocks only rejected drafts
         wrote are freed. Adds to `sampled` and `finished`; returns the text deltas."""
         drafts = seq.spec_token_ids
-        new = accepted_tokens(drafts, verified)
+        new = self.accept(drafts, verified)
         req = self.requests[seq.request_id]
         completion = req.completions[seq.index]
         deltas = []

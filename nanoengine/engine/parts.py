@@ -34,6 +34,8 @@ from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models.hf_config import rope_theta
 from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, learner
+from nanoengine.spec.ngram import NgramProposer
+from nanoengine.spec.verify import accepted_tokens
 
 # (forward, kind, max_num_seqs, max_blocks, hidden_size, block_size, dtype, device) -> decode graphs, which
 # answer can_replay(inp), replay(inp) and capture(buckets) as DecodeGraphs does
@@ -50,6 +52,8 @@ class EngineParts:
     scheduler_class: type[Scheduler]
     attention_metadata: MetadataBuilder | None  # None: the input builder's own
     sampler: Sampler
+    ngram_proposer_class: type = NgramProposer  # speculative decoding's "ngram" proposer (chapter 09)
+    accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens  # drafts, verified -> kept tokens
 
 
 def same_group(group: TPGroup) -> TPGroup:
