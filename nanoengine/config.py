@@ -29,9 +29,8 @@ SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
 # (nanoengine/layers/quant.py); None keeps the checkpoint's weights
 QUANTIZATIONS = (None, "int8")
 # speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
-# output so far; "draft_model" (a small model sharing the tokenizer) is not supported yet
+# output so far; "draft_model" runs a small model that shares the target's tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-SUPPORTED_SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -39,11 +38,13 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): propose `num_speculative_tokens` tokens per step
     and verify them in one forward of the model. "ngram" (prompt lookup) matches the last n tokens, n from
-    prompt_lookup_max down to prompt_lookup_min, against the tokens before them."""
+    prompt_lookup_max down to prompt_lookup_min, against the tokens before them; "draft_model" decodes them
+    greedily with `model` (a checkpoint folder or an asset name; it must share the target's tokenizer)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model ("draft_model" only)
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:
@@ -71,10 +72,17 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise InvalidValueError(f"EngineConfig: speculative_config method must be one of "
                                     f"{SPECULATIVE_METHODS}, got {method!r}")
-        if method not in SUPPORTED_SPECULATIVE_METHODS:
-            raise InvalidValueError(f"EngineConfig: speculative_config method {method!r} is not supported "
-                                    f"yet; use one of {SUPPORTED_SPECULATIVE_METHODS}")
-        for key in names[1:]:
+        given = set(value) - {"method", "num_speculative_tokens"}
+        own = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model"}}[method]
+        if given - own:
+            raise InvalidValueError(f"EngineConfig: speculative_config key(s) {sorted(given - own)} do not "
+                                    f"apply to method {method!r}, which takes {sorted(own)}")
+        if method == "draft_model" and not isinstance(value.get("model"), str):
+            raise InvalidValueError("EngineConfig: speculative_config method 'draft_model' needs 'model', "
+                                    "the draft's checkpoint folder or asset name (a small model with the "
+                                    'target\'s tokenizer), e.g. {"method": "draft_model", "model": '
+                                    '"/path/to/draft", "num_speculative_tokens": 4}')
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = value.get(key, 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidValueError(f"EngineConfig: speculative_config {key} must be an integer >= 1, "

@@ -8,7 +8,8 @@
   plain sequences. The model is a stub over a fake KV cache whose every slot holds the token prefix its K/V
   were computed for (the oracle): a rolled-back slot read later, a rejected draft's K/V in a cached block, or
   a wrong block table changes a later token. A proposer that knows the answer and corrupts some drafts makes
-  every acceptance length happen. Then the same on tiny-qwen3 through the real attention path.
+  every acceptance length happen. Then the same on tiny-qwen3 through the real attention path, and with a
+  draft model: tiny-qwen3 with noise on its weights, which agrees with it on some tokens, not all.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def test_accepted_tokens_is_the_longest_equal_prefix_plus_the_models_token():
 
 @pytest.mark.parametrize("bad, message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "tiny-qwen3"}, r"\['model'\] do not apply"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-qwen3", "prompt_lookup_max": 2},
+     "do not apply to method 'draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "must be <= 16"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
@@ -363,6 +367,58 @@ def test_tiny_qwen3_greedy_speculation_equals_plain():
     counts = spec.engine.spec_counts
     assert 0 < counts.accepted < counts.proposed
     assert spec.engine.step_count < plain.engine.step_count
+
+
+def noisy_copy(folder, scale: float, seed: int = 1):
+    """tiny-qwen3 with Gaussian noise of `scale` times each tensor's std on every weight: a draft model that
+    shares its tokenizer and agrees with it on most tokens, not all."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanoengine import assets
+
+    src = assets.ensure("tiny-qwen3")
+    shutil.copytree(src, folder, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(src / "model.safetensors")
+    save_file({k: v + scale * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_path):
+    """Greedy: token-identical to no speculation through chunked prefill (32-token budget), preemption (10
+    blocks), prefix hits (shared prompts) and n=2; seeded sampling reproducible; both pools given back."""
+    draft = {"method": "draft_model", "model": str(noisy_copy(tmp_path / "draft", 0.5)),
+             "num_speculative_tokens": 3}
+    kw = dict(dtype="float32", max_num_batched_tokens=32, num_kvcache_blocks=10, block_size=16)
+    prompts = ["The paged KV cache stores keys and values in fixed-size blocks, so that one", "Hi",
+               "The paged KV cache stores keys and values in fixed-size blocks, and two", "x " * 30]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True)]
+    plain = LLM("tiny-qwen3", **kw)
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM("tiny-qwen3", speculative_config=draft, **kw)
+    got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    counts, eng = spec.engine.spec_counts, spec.engine
+    assert 0 < counts.accepted < counts.proposed, counts  # drafts kept and drafts rejected
+    assert any(st.num_preempted for st in eng.stats), "the 10-block pool should preempt"
+    assert any(st.cache_hit_tokens for st in eng.stats), "the shared prompts should hit the prefix cache"
+    assert eng.block_manager.num_free_blocks == 10
+    assert eng.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool: all back too
+    sampled = [SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)] * 2
+    runs = [[o.outputs[0].token_ids for o in spec.generate(prompts[:2], sampled, use_tqdm=False)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    spec.engine.close()
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused():
+    with pytest.raises(InvalidValueError, match="a draft model must share the target's tokenizer"):
+        LLM("tiny-qwen3", speculative_config={"method": "draft_model", "model": "smollm2-135m",
+                                              "num_speculative_tokens": 2})
 
 
 def test_the_learners_pieces_run_with_speculation_or_are_refused_clearly():

@@ -68,12 +68,13 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
         self.spec_counts = SpecCounts()  # what speculative decoding did (stays zero without it)
         self.accept = parts.accept  # which drafts a verification keeps
-        proposer = make_proposer(config.speculative_config, plan, tokenizer, parts.ngram_proposer_class)
+        self.proposer = make_proposer(config.speculative_config, plan, tokenizer, executor.num_kv_blocks,
+                                      parts.ngram_proposer_class)
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
                                                max_model_len=plan.max_model_len,
-                                               policy=plan.scheduling_policy, proposer=proposer)
+                                               policy=plan.scheduling_policy, proposer=self.proposer)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -138,8 +139,10 @@ class LLMEngine:
             self.drain()  # a step in flight now samples for no one: finish it, so the engine is idle
 
     def close(self) -> None:
-        """Stop the executor's ranks (tensor parallelism's worker processes)."""
+        """Stop the executor's ranks (tensor parallelism's worker processes), and a draft model's engine."""
         self.executor.close()
+        if hasattr(self.proposer, "close"):
+            self.proposer.close()
 
     def has_unfinished(self) -> bool:
         """Sequences to run, or a step in flight to finish."""

@@ -2,6 +2,7 @@
 keep the longest accepted prefix plus the model's own next token.
 
 - `ngram.py`: the n-gram (prompt lookup) proposer, plain Python;
+- `draft.py`: the draft-model proposer, a small model on an engine of its own;
 - `verify.py`: the acceptance rules (greedy: accept while the draft equals the model's token; sampling: the
   rejection-sampling rule) and the per-engine counts (acceptance rate, tokens per verification).
 The scheduler asks the proposer for drafts and gives each speculating sequence 1 + k tokens of the budget;
@@ -15,9 +16,14 @@ from typing import Any
 from nanoengine.spec.ngram import NgramProposer, Proposer
 
 
-def make_proposer(spec: Any, plan: Any, tokenizer: Any, ngram_class: type = NgramProposer) -> Proposer | None:
+def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
+                  ngram_class: type = NgramProposer) -> Proposer | None:
     """The proposer a SpeculativeConfig asks for (None without one): the n-gram lookup (`ngram_class`: the
-    engine's, or the learner's from chapter 09)."""
+    engine's, or the learner's from chapter 09), or a draft model on an engine of its own (`draft.py`)."""
     if spec is None:
         return None
+    if spec.method == "draft_model":
+        from nanoengine.spec.draft import DraftModelProposer
+
+        return DraftModelProposer.build(spec, plan, tokenizer, num_kv_blocks)
     return ngram_class(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
