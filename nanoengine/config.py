@@ -39,12 +39,14 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): propose `num_speculative_tokens` tokens per step
     and verify them in one forward of the model. "ngram" (prompt lookup) matches the last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min, against the tokens before them; "draft_model" decodes them
-    greedily with `model` (a checkpoint folder or an asset name; it must share the target's tokenizer)."""
+    greedily with `model` (a checkpoint folder or an asset name; it must share the target's tokenizer), its
+    weights quantized as `quantization` says (e.g. the target itself in int8 is a draft that agrees often)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model ("draft_model" only)
+    quantization: str | None = None  # the draft's weights ("draft_model" only; see QUANTIZATIONS)
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:
@@ -73,7 +75,8 @@ class SpeculativeConfig:
             raise InvalidValueError(f"EngineConfig: speculative_config method must be one of "
                                     f"{SPECULATIVE_METHODS}, got {method!r}")
         given = set(value) - {"method", "num_speculative_tokens"}
-        own = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model"}}[method]
+        own = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+               "draft_model": {"model", "quantization"}}[method]
         if given - own:
             raise InvalidValueError(f"EngineConfig: speculative_config key(s) {sorted(given - own)} do not "
                                     f"apply to method {method!r}, which takes {sorted(own)}")
@@ -82,6 +85,9 @@ class SpeculativeConfig:
                                     "the draft's checkpoint folder or asset name (a small model with the "
                                     'target\'s tokenizer), e.g. {"method": "draft_model", "model": '
                                     '"/path/to/draft", "num_speculative_tokens": 4}')
+        if value.get("quantization") not in QUANTIZATIONS:
+            raise InvalidValueError(f"EngineConfig: speculative_config quantization must be one of "
+                                    f"{QUANTIZATIONS}, got {value['quantization']!r}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = value.get(key, 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -84,6 +84,8 @@ def test_accepted_tokens_is_the_longest_equal_prefix_plus_the_models_token():
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "tiny-qwen3"}, r"\['model'\] do not apply"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-qwen3", "prompt_lookup_max": 2},
      "do not apply to method 'draft_model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-qwen3", "quantization": "fp4"},
+     "quantization must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "must be <= 16"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
@@ -438,12 +440,14 @@ def test_the_learners_pieces_run_with_speculation_or_are_refused_clearly():
 def test_spec_bench_writes_its_figures(tmp_path):
     from nanoengine.bench import spec as bench
 
-    argv = ["--model", "tiny-qwen3", "--max-tokens", "8", "--repeats", "1", "--out-dir", str(tmp_path)]
+    argv = ["--model", "tiny-qwen3", "--max-tokens", "8", "--repeats", "1", "--out-dir", str(tmp_path),
+            "--draft-model", "tiny-qwen3"]
     assert bench.main(argv) == 0
     result = json.loads(next(tmp_path.glob("spec_*.json")).read_text())
     assert result["speculative_config"]["num_speculative_tokens"] == 4
     for task in ("grounded", "free"):
         t = result["tasks"][task]
         assert t["same_tokens"] and t["output_tokens"] == 8
-        assert t["tokens_per_target_forward"] >= 1 == t["tokens_per_target_forward_plain"]
+        assert t["tokens_per_target_forward_ngram"] >= 1 == t["tokens_per_target_forward_plain"]
         assert t["decode_tok_s_plain"] > 0 and t["decode_tok_s_ngram"] > 0
+        assert t["acceptance_rate_draft"] == 1  # the model as its own draft: every draft is its own token

@@ -3,6 +3,7 @@ and without it. Chapter 09.
 
     python -m nanoengine.bench.spec                                         # SmolLM2-135M, 256 tokens a task
     python -m nanoengine.bench.spec --model tiny-qwen3 --max-tokens 32      # a smoke run (seconds)
+    python -m nanoengine.bench.spec --draft-model smollm2-135m --draft-quantization int8   # + a draft model
 
 One request at a time (a single stream: the memory-bound case speculation is for), greedy, the same number
 of tokens with and without speculation (ignore_eos), for two tasks:
@@ -13,7 +14,9 @@ of tokens with and without speculation (ignore_eos), for two tasks:
 For each: decode tokens/s without and with (from the first token to the last, so the prompt's prefill is
 left out), the speedup, the drafts' acceptance rate, tokens per target forward (decode tokens / decode
 steps; 1 without speculation), and whether both produced the same tokens (they must: greedy speculation is
-exact). Each engine runs each task once as a warm-up before the measured `--repeats`. JSON in `--out-dir`.
+exact). With `--draft-model` a third engine speculates with that draft (`--draft-quantization int8`: e.g.
+the target itself in int8, a draft that agrees with it on most tokens at about half its cost per token).
+Each engine runs each task once as a warm-up before the measured `--repeats`. JSON in `--out-dir`.
 """
 
 from __future__ import annotations
@@ -57,34 +60,41 @@ def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str
 
 
 def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threads: int | None,
-            prompt_lookup_max: int = 4, prompt_lookup_min: int = 2) -> dict[str, Any]:
+            prompt_lookup_max: int = 4, prompt_lookup_min: int = 2, draft_model: str | None = None,
+            draft_quantization: str | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": prompt_lookup_max,
-            "prompt_lookup_min": prompt_lookup_min}
-    engines = {"plain": LLM(model, dtype=dtype), "ngram": LLM(model, dtype=dtype, speculative_config=spec)}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": prompt_lookup_max,
+                       "prompt_lookup_min": prompt_lookup_min}}
+    if draft_model is not None:
+        specs["draft"] = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k,
+                          "quantization": draft_quantization}
+    engines = {"plain": LLM(model, dtype=dtype),
+               **{name: LLM(model, dtype=dtype, speculative_config=spec) for name, spec in specs.items()}}
     tasks: dict[str, Any] = {}
     for task, messages in TASKS.items():
         runs: dict[str, list[dict]] = {}
         for name, llm in engines.items():
             run_task(llm, messages, params)  # warm-up
             runs[name] = [run_task(llm, messages, params) for _ in range(repeats)]
-        plain, fast = runs["plain"], runs["ngram"]
+        plain = runs["plain"]
         tok_s = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
-        last = fast[-1]
         tasks[task] = {
-            "decode_tok_s_plain": tok_s["plain"], "decode_tok_s_ngram": tok_s["ngram"],
-            "speedup": tok_s["ngram"] / tok_s["plain"],
-            "acceptance_rate": last["acceptance_rate"],
-            "tokens_per_target_forward": last["tokens_per_forward"],
+            "decode_tok_s_plain": tok_s["plain"],
             "tokens_per_target_forward_plain": plain[-1]["tokens_per_forward"],
-            "proposed": last["proposed"], "accepted": last["accepted"],
-            "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + fast),
-            "output_tokens": len(last["tokens"]),
+            "same_tokens": all(r["tokens"] == plain[0]["tokens"] for rs in runs.values() for r in rs),
+            "output_tokens": len(plain[-1]["tokens"]),
             "text": engines["plain"].get_tokenizer().decode(plain[0]["tokens"])[:400],
             "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
                      for name, rs in runs.items()}}
+        for name in specs:
+            last = runs[name][-1]
+            tasks[task] |= {f"decode_tok_s_{name}": tok_s[name],
+                            f"speedup_{name}": tok_s[name] / tok_s["plain"],
+                            f"acceptance_rate_{name}": last["acceptance_rate"],
+                            f"tokens_per_target_forward_{name}": last["tokens_per_forward"],
+                            f"proposed_{name}": last["proposed"], f"accepted_{name}": last["accepted"]}
     device = engines["plain"].plan.device
     for llm in engines.values():
         llm.engine.close()
@@ -92,19 +102,24 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
 
     hw = hardware.describe(device)
     hw["threads"] = torch.get_num_threads()
-    return {"model": model, "workload": f"spec-ngram-k{k}", "hardware": hw, "speculative_config": spec,
-            "max_tokens": max_tokens, "repeats": repeats, "dtype": dtype, "tasks": tasks}
+    return {"model": model, "workload": f"spec-{'-'.join(specs)}-k{k}", "hardware": hw,
+            "speculative_config": specs["ngram"], "speculative_configs": specs, "max_tokens": max_tokens,
+            "repeats": repeats, "dtype": dtype, "tasks": tasks}
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'task':<10} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} {'accepted':>9} "
-            f"{'tok/forward':>12} {'same':>5}")
+    head = (f"{'task':<10} {'method':<7} {'tok/s':>8} {'speedup':>8} {'accepted':>9} {'tok/forward':>12} "
+            f"{'same':>5}")
     lines = [head, "-" * len(head)]
     for task, t in result["tasks"].items():
-        rate = "-" if t["acceptance_rate"] is None else f"{100 * t['acceptance_rate']:.0f}%"
-        lines.append(f"{task:<10} {t['decode_tok_s_plain']:>12.1f} {t['decode_tok_s_ngram']:>12.1f} "
-                     f"{t['speedup']:>7.2f}x {rate:>9} {t['tokens_per_target_forward']:>12.2f} "
+        lines.append(f"{task:<10} {'plain':<7} {t['decode_tok_s_plain']:>8.1f} {'':>8} {'':>9} {1:>12.2f} "
                      f"{str(t['same_tokens']):>5}")
+        for name in result["speculative_configs"]:
+            rate = t[f"acceptance_rate_{name}"]
+            rate = "-" if rate is None else f"{100 * rate:.0f}%"
+            tok_s, speedup = t[f"decode_tok_s_{name}"], t[f"speedup_{name}"]
+            lines.append(f"{'':<10} {name:<7} {tok_s:>8.1f} {speedup:>7.2f}x {rate:>9} "
+                         f"{t[f'tokens_per_target_forward_{name}']:>12.2f}")
     return "\n".join(lines)
 
 
@@ -120,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per task and engine (median)")
     p.add_argument("--dtype", default="float32", help="float32: both engines bit-exact (in bf16 even a "
                    "prefix hit changes a greedy output: the rounding depends on the batch shape)")
+    p.add_argument("--draft-model", default=None, help="also speculate with this draft model (asset name or "
+                   "folder; it must share the model's tokenizer)")
+    p.add_argument("--draft-quantization", default=None, choices=["int8"], help="the draft's weights")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out-dir", default="bench_results")
     args = p.parse_args(argv)
     result = measure(args.model, args.num_speculative_tokens, args.max_tokens, args.repeats, args.dtype,
-                     args.threads, args.prompt_lookup_max, args.prompt_lookup_min)
+                     args.threads, args.prompt_lookup_max, args.prompt_lookup_min, args.draft_model,
+                     args.draft_quantization)
     print(table(result))
     from nanoengine.bench.report import result_name, write_json
 

@@ -49,7 +49,7 @@ class DraftModelProposer:
         options = dict(device=plan.device, dtype=plan.dtype, block_size=plan.block_size,
                        max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
                        max_num_batched_tokens=plan.max_num_batched_tokens, num_kvcache_blocks=num_kv_blocks,
-                       seed=plan.seed, **DRAFT_OPTIONS)
+                       seed=plan.seed, quantization=spec.quantization, **DRAFT_OPTIONS)
         try:
             engine = build_engine(spec.model, **options)
         except NanoengineError as e:
