@@ -158,6 +158,12 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                 f"gives a decode its drafts, but {pieces.option} replaces its pass with "
                                 f"yours ({', '.join(pieces.schedule_pieces)}); leave those out, or "
                                 "speculative_config")
+    if config.speculative_config is None and pieces.spec_pieces:
+        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only while "
+                                f"speculating ({', '.join(pieces.spec_pieces)}), but speculative_config is "
+                                "not set; add "
+                                "speculative_config={'method': 'ngram', 'num_speculative_tokens': 3}, or "
+                                "leave them out")
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = pick_attention_backend(config, device, dtype, pieces)
     block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]

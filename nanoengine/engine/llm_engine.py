@@ -285,7 +285,7 @@ class LLMEngine:
                 break
         else:
             self.scheduler.rollback(seq, out)
-        self.spec_counts.add(len(drafts), min(i + 1, len(new) - 1), i + 1)
+        self.spec_counts.add(len(drafts), min(i + 1, len(new) - 1), i + 1, self.step_count, seq.seq_id)
         seq.spec_token_ids = []
         return deltas
 

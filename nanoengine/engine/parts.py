@@ -15,6 +15,7 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | ch05 | the scheduler's step; the sampler |
 | ch06 | the decode graphs (the CPU stand-in) |
 | ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
+| ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's rollback (`truncate`) |
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from nanoengine.engine.scheduler import Scheduler
 from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models.hf_config import rope_theta
-from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, learner
+from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, ch09, learner
 from nanoengine.spec.ngram import NgramProposer
 from nanoengine.spec.verify import accepted_tokens
 
@@ -93,6 +94,11 @@ def assemble(plan: Any) -> EngineParts:
         graphs = ch06.graphs_factory(modules["ch06"])
     if "ch07" in modules:
         tp_group = ch07.group_wrapper(modules["ch07"])
+    ngram_proposer_class, accept = NgramProposer, accepted_tokens
+    if "ch09" in modules:  # over ch04's block manager when both are used
+        ngram_proposer_class = ch09.ngram_proposer_class(modules["ch09"])
+        accept = ch09.accept(modules["ch09"])
+        block_manager_class = ch09.block_manager_class(modules["ch09"], block_manager_class)
     return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
-                       attention_metadata, sampler)
+                       attention_metadata, sampler, ngram_proposer_class, accept)
 

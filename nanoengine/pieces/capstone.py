@@ -1,5 +1,5 @@
 """The capstone of a chapter: the engine on your pieces gives the same greedy text, and the same schedule, as
-the engine on its own. Chapters 02-07 (`nanoengine.check("chNN")` runs it once every exercise passes).
+the engine on its own. Chapters 02-07 and 09 (`nanoengine.check("chNN")` runs it once every exercise passes).
 
 One fixed workload per model (fp32, tiny-qwen3 and smollm2-135m): prompts that share a long prefix (prefix-
 cache hits), a token budget small enough to chunk the prefills, and a KV pool small enough to preempt. Both
@@ -32,7 +32,12 @@ PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Why is the sky b
 WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8, block_size=16,
                 async_scheduling=False)
 MAX_TOKENS = 16
-CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2)}
+# options the engine runs with on both sides: ch07's two ranks; ch09's speculation (its reference runs the
+# engine's own proposer with the same options, and its greedy text must also equal the engine's without it)
+CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2),
+                   "ch09": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})}
+# options the reference run takes too (tensor parallelism gives the same tokens as one rank: not these)
+REFERENCE_OPTIONS = ("speculative_config",)
 CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
 # chapter 03 decodes with the learner's Triton kernel (3.7), which without a GPU runs in Triton's interpreter:
 # there SmolLM2's 30 layers take about 90 s, tiny-qwen3's 2 about 5 s, so a CPU checks tiny-qwen3 only
@@ -40,10 +45,10 @@ INTERPRETED_MODELS = {"ch03": ("tiny-qwen3",)}
 PACKAGE = Path(__file__).resolve().parents[1]  # nanoengine/
 
 
-def reference_file(model: str) -> Path:
-    """Where the engine's own run of the workload is kept: one file per model, engine source, torch build and
-    machine (the run is deterministic given those), so each chapter's capstone runs only the learner's
-    side."""
+def reference_file(model: str, options: dict | None = None) -> Path:
+    """Where the engine's own run of the workload is kept: one file per model, engine source, torch build,
+    machine and chapter options (the run is deterministic given those), so each chapter's capstone runs only
+    the learner's side."""
     import torch
 
     from nanoengine import assets
@@ -56,16 +61,19 @@ def reference_file(model: str) -> Path:
         h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     h.update(repr((PROMPTS, WORKLOAD, MAX_TOKENS, torch.__version__, platform.machine(), platform.processor(),
                    torch.backends.cpu.get_cpu_capability())).encode())
+    if options:  # (none: the file name every chapter without options shares)
+        h.update(json.dumps(options, sort_keys=True).encode())
     return assets.home() / "capstone" / f"{Path(model).name}-{h.hexdigest()[:16]}.json"
 
 
-def reference(model: str) -> tuple[list[list[int]], list[tuple]]:
-    """The engine's own run of the workload on `model`: (token ids per prompt, per-step schedule)."""
-    path = reference_file(model)
+def reference(model: str, options: dict | None = None) -> tuple[list[list[int]], list[tuple]]:
+    """The engine's own run of the workload on `model` (with a chapter's options): (token ids per prompt,
+    per-step schedule)."""
+    path = reference_file(model, options)
     if path.is_file():
         kept = json.loads(path.read_text())
         return kept["token_ids"], [tuple(step) for step in kept["steps"]]
-    ids, steps, _ = run_workload(model, use_exercises=())
+    ids, steps, _ = run_workload(model, use_exercises=(), **(options or {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"token_ids": ids, "steps": steps}))
@@ -99,17 +107,37 @@ STEP_FIELDS = ("sequences", "prefill tokens", "decode tokens", "blocks in use", 
                "preemptions")
 
 
-def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
-    want_ids, want_steps = reference(model)
-    got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir),
-                                           **CHAPTER_OPTIONS.get(chapter, {}))
-    tok = llm.get_tokenizer()
+def first_difference(tok, got_ids: list[list[int]], want_ids: list[list[int]], whose: str) -> str | None:
+    """A message naming the first token where two runs' texts differ, or None when they are equal."""
     for p, (got, want) in enumerate(zip(got_ids, want_ids)):
         if got != want:
-            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            return False, (f"prompt {p} ({PROMPTS[p][-24:]!r}): generated token {i} differs: yours "
-                           f"{tok.decode(got[i:i + 1])!r}, the engine's {tok.decode(want[i:i + 1])!r}, after "
-                           f"{tok.decode(want[:i])!r}")
+            i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            return (f"prompt {p} ({PROMPTS[p][-24:]!r}): generated token {i} differs: yours "
+                    f"{tok.decode(got[i:i + 1])!r}, {whose} {tok.decode(want[i:i + 1])!r}, after "
+                    f"{tok.decode(want[:i])!r}")
+    return None
+
+
+def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
+    options = CHAPTER_OPTIONS.get(chapter, {})
+    shared = {k: v for k, v in options.items() if k in REFERENCE_OPTIONS}
+    want_ids, want_steps = reference(model, shared)
+    got_ids, got_steps, llm = run_workload(model, use_exercises=[chapter], exercises_dir=str(exercises_dir),
+                                           **options)
+    tok = llm.get_tokenizer()
+    differs = first_difference(tok, got_ids, want_ids, "the engine's")
+    if differs:
+        return False, differs
+    spec_note = ""
+    if "speculative_config" in shared:  # speculation is exact: the same text as decoding without it
+        differs = first_difference(tok, got_ids, reference(model)[0], "the engine's without speculation")
+        if differs:
+            return False, differs
+        counts = llm.engine.spec_counts
+        if counts.accepted == 0:
+            return False, (f"same text, but no draft was accepted ({counts.proposed} proposed): your "
+                           "Exercise 9.1 or 9.2 keeps nothing")
+        spec_note = f", {counts.accepted} of {counts.proposed} drafts accepted"
     for s, (got, want) in enumerate(zip(got_steps, want_steps)):
         if got != want:
             what = [f"{name} {a} vs {b}" for name, a, b in zip(STEP_FIELDS, got, want) if a != b]
@@ -119,7 +147,7 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
     hits = sum(st[4] for st in got_steps)
     preempted = sum(st[5] for st in got_steps)
     return True, (f"{len(PROMPTS)} prompts x {MAX_TOKENS} tokens equal, and all {len(got_steps)} steps "
-                  f"({hits} prefix-hit tokens, {preempted} preemptions)")
+                  f"({hits} prefix-hit tokens, {preempted} preemptions{spec_note})")
 
 
 def default_models(chapter: str) -> tuple[str, ...]:

@@ -17,7 +17,9 @@ applies `accepted_tokens` to those, as in greedy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -50,20 +52,35 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     return torch.where(accept, d.squeeze(1), resampled)
 
 
+class Verification(NamedTuple):
+    """One speculating sequence's verification in one engine step."""
+    step: int  # the engine's step_count when it ran
+    seq_id: int
+    proposed: int  # drafts verified
+    accepted: int  # of them kept
+
+
+RECORD_LEN = 10_000  # verifications kept in SpecCounts.record (the latest ones)
+
+
 @dataclass
 class SpecCounts:
     """What speculation did in an engine's life: drafts proposed and accepted, and the verifications (one
-    per speculating sequence per step) with the tokens they gave."""
+    per speculating sequence per step) with the tokens they gave; `record` keeps the latest RECORD_LEN
+    verifications one by one (the per-step figure of chapter 09, nanoengine.viz.spec, reads it)."""
     proposed: int = 0
     accepted: int = 0
     verifications: int = 0
     tokens: int = 0  # appended by the verifications (accepted drafts + the model's own token)
+    record: deque[Verification] = field(default_factory=lambda: deque(maxlen=RECORD_LEN), repr=False)
 
-    def add(self, num_drafts: int, num_accepted: int, num_tokens: int) -> None:
+    def add(self, num_drafts: int, num_accepted: int, num_tokens: int, step: int = -1,
+            seq_id: int = -1) -> None:
         self.proposed += num_drafts
         self.accepted += num_accepted
         self.verifications += 1
         self.tokens += num_tokens
+        self.record.append(Verification(step, seq_id, num_drafts, num_accepted))
 
     @property
     def acceptance_rate(self) -> float:

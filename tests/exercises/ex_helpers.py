@@ -119,3 +119,14 @@ def assert_detects(checker: Callable[[Callable], None], wrong: Callable, phrase:
                                  f"{phrase!r}: {e}") from None
         return
     raise AssertionError(f"test bug: the check passes on the wrong answer {wrong.__name__}")
+
+
+# chi-square critical values at p = 0.001, by degrees of freedom (a correct sampler fails 1 run in 1000)
+CHI2_P001 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32, 15: 37.70}
+
+
+def chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """Pearson's statistic of the draws `tokens` [N] int64 against the law p [V] (V - 1 degrees of freedom)."""
+    counts = torch.bincount(tokens, minlength=p.numel()).double()  # [V]
+    expected = p.double() * tokens.numel()  # [V]
+    return float(((counts - expected) ** 2 / expected).sum())
