@@ -14,7 +14,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.errors import ExerciseError, ExerciseNotDoneError, InvalidValueError
 from nanoengine.pieces import CHAPTERS, PieceSelection, chapters_of, selected, use_exercises
-from nanoengine.pieces.capstone import capstone
+from nanoengine.pieces.capstone import CHAPTER_OPTIONS, capstone
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
@@ -47,7 +47,9 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
     opts = dict(dtype="float32", max_num_batched_tokens=16)
     want = [o.outputs[0].token_ids
             for o in LLM("tiny-qwen3", **opts).generate(prompts, params, use_tqdm=False)]
-    llm = LLM("tiny-qwen3", use_exercises=list(CHAPTERS), exercises_dir=str(SOLUTIONS), **opts)
+    # (ch09's pieces run only while speculating, which ch05's scheduler pass does not: tested apart below)
+    llm = LLM("tiny-qwen3", use_exercises=[c for c in CHAPTERS if c != "ch09"], exercises_dir=str(SOLUTIONS),
+              **opts)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     # the pieces really are in place: the learner's backend, block manager, scheduler and sampler
@@ -61,9 +63,42 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
 
 @pytest.mark.parametrize("chapter", list(CHAPTERS))
 def test_a_stub_is_an_error_naming_its_exercise(chapter):
+    spec = {k: v for k, v in CHAPTER_OPTIONS.get(chapter, {}).items() if k == "speculative_config"}
     with pytest.raises(ExerciseNotDoneError, match=rf"Exercise {int(chapter[2:])}\.\d") as e:
-        LLM("tiny-qwen3", use_exercises=[chapter], exercises_dir=str(STUBS), dtype="float32")
+        LLM("tiny-qwen3", use_exercises=[chapter], exercises_dir=str(STUBS), dtype="float32", **spec)
     assert "stub" in str(e.value) and chapter in str(e.value)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_ch09_pieces_speculate_over_ch04s_block_manager_or_are_refused_without_speculation():
+    prompt = ["The cat sat on the mat. The cat sat on the mat. The cat"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = LLM("tiny-qwen3", dtype="float32").generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("tiny-qwen3", dtype="float32", use_exercises=["ch04", "ch09"], exercises_dir=str(SOLUTIONS),
+              speculative_config=NGRAM, num_kvcache_blocks=8, block_size=4)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    engine = llm.engine
+    assert type(engine.scheduler.proposer).__name__ == "LearnerNgramProposer"
+    assert engine.accept.__name__ == "learner_accept"
+    bm_classes = [c.__name__ for c in type(engine.block_manager).__mro__]
+    assert bm_classes[:2] == ["LearnerRollbackBlockManager", "LearnerBlockManager"]  # 9.4 over 4.1-4.4
+    counts = engine.spec_counts
+    assert 0 < counts.accepted <= counts.proposed and len(counts.record) == counts.verifications
+    with pytest.raises(InvalidValueError, match="run only while speculating.*speculative_config is not set"):
+        LLM("tiny-qwen3", use_exercises=["ch09"], exercises_dir=str(SOLUTIONS))
+
+
+@pytest.mark.slow
+def test_a_ch09_rule_that_keeps_no_draft_fails_the_capstone_with_the_same_text(tmp_path):
+    folder = chapter_with(tmp_path, "ch09", '''
+        def accept_greedy(drafts, verified):
+            """Exercise 9.2: the model's first token only, never a draft (exact, but no faster)."""
+            return verified[:1]
+    ''')
+    result = capstone("ch09", folder, models=("tiny-qwen3",))
+    assert not result.passed and "same text, but" in result.rows[0][2], result.rows
 
 
 @pytest.mark.slow
@@ -124,7 +159,7 @@ def test_what_a_piece_raises_or_returns_wrongly_names_the_exercise(tmp_path):
 def test_options_are_checked():
     assert chapters_of(["ch03", 2, "02"]) == ("ch02", "ch03")
     with pytest.raises(InvalidValueError, match="not a chapter with engine pieces"):
-        EngineConfig(use_exercises=["ch09"])
+        EngineConfig(use_exercises=["ch08"])
     with pytest.raises(InvalidValueError, match="is not a folder"):
         EngineConfig(use_exercises=["ch02"], exercises_dir="/no/such/folder")
     with pytest.raises(InvalidValueError, match="use_exercises is empty"):
