@@ -8,7 +8,9 @@ blocks in use, prefix hits, preemptions) must match too, which catches a piece t
 the text (a prefix lookup that never hits, a scheduler that never chunks). Chapter 07 runs your sharding in
 two processes (tensor_parallel_size=2, over gloo) against the engine in one, on tiny-qwen3 only (SmolLM2's
 9 heads do not split in two). Chapter 03 decodes with your Triton kernel; without a GPU that runs in Triton's
-interpreter, so there it runs tiny-qwen3 only.
+interpreter, so there it runs tiny-qwen3 only. Chapter 09 speculates (n-gram, k = 3) on both sides: the
+engine's reference run speculates too, and the greedy text must also equal the engine's without speculation
+(exactness), with some drafts accepted.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class Verification(NamedTuple):
     seq_id: int
     proposed: int  # drafts verified
     accepted: int  # of them kept
+    tokens: int  # appended (the kept drafts and the model's own token, unless a stop came first)
 
 
 RECORD_LEN = 10_000  # verifications kept in SpecCounts.record (the latest ones)
@@ -80,7 +81,7 @@ class SpecCounts:
         self.accepted += num_accepted
         self.verifications += 1
         self.tokens += num_tokens
-        self.record.append(Verification(step, seq_id, num_drafts, num_accepted))
+        self.record.append(Verification(step, seq_id, num_drafts, num_accepted, num_tokens))
 
     @property
     def acceptance_rate(self) -> float:

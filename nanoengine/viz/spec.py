@@ -1,8 +1,8 @@
 """Speculative decoding, per step: how many drafts the model accepted and rejected. Chapter 09.
 
-- `spec_steps(record)`: from an engine's `spec_counts.record` (one (step, seq_id, proposed, accepted) per
-  verification, nanoengine.spec.verify.Verification), per engine step the drafts accepted, rejected and the
-  tokens the verifications appended (accepted + one of the model's own per sequence);
+- `spec_steps(record)`: from an engine's `spec_counts.record` (one (step, seq_id, proposed, accepted, tokens)
+  per verification, nanoengine.spec.verify.Verification), per engine step the drafts accepted, rejected and
+  the tokens the verifications appended (the accepted drafts and the model's own token);
 - `plot_spec_steps(record)`: those as stacked bars (accepted below, rejected above), with the step's tokens.
 Built only from the record passed in; the engine never imports this module.
 """
@@ -30,20 +30,20 @@ class SpecSteps:
         return sum(self.accepted) / proposed if proposed else 0.0
 
 
-def spec_steps(record: Iterable[tuple[int, int, int, int]]) -> SpecSteps:
-    """Sum a verification record by step: each entry is (step, seq_id, proposed, accepted)."""
+def spec_steps(record: Iterable[tuple[int, int, int, int, int]]) -> SpecSteps:
+    """Sum a verification record by step: each entry is (step, seq_id, proposed, accepted, tokens)."""
     by_step: dict[int, list[int]] = {}
-    for step, _seq_id, proposed, accepted in record:
+    for step, _seq_id, proposed, accepted, tokens in record:
         row = by_step.setdefault(step, [0, 0, 0])
         row[0] += accepted
         row[1] += proposed - accepted
-        row[2] += accepted + 1  # the model's own token after the last kept draft
+        row[2] += tokens
     steps = sorted(by_step)
     return SpecSteps(steps, [by_step[s][0] for s in steps], [by_step[s][1] for s in steps],
                      [by_step[s][2] for s in steps])
 
 
-def plot_spec_steps(record: Iterable[tuple[int, int, int, int]], ax: Axes | None = None,
+def plot_spec_steps(record: Iterable[tuple[int, int, int, int, int]], ax: Axes | None = None,
                     title: str | None = None) -> Axes:
     """Stacked bars per engine step: drafts accepted (green) and rejected (grey); a dot marks the tokens the
     step's verifications appended."""
