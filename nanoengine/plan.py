@@ -164,6 +164,11 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                 "not set; add "
                                 "speculative_config={'method': 'ngram', 'num_speculative_tokens': 3}, or "
                                 "leave them out")
+    if pieces.spec_pieces and config.speculative_config.method != "ngram":
+        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs in your n-gram proposer "
+                                f"(Exercise 9.1), but speculative_config's method is "
+                                f"{config.speculative_config.method!r}; "
+                                "use method 'ngram' with it, or leave 'ch09' out")
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = pick_attention_backend(config, device, dtype, pieces)
     block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]

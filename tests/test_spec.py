@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,9 @@ from nanoengine.engine.inputs import ModelInput
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer
 from nanoengine.spec.verify import accepted_tokens, rejection_sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "exercises"))
+from ex_helpers import CHI2_P001, chi_square  # noqa: E402  (the exercises' statistics, shared)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -109,13 +114,7 @@ def test_speculative_config_accepts_json_and_refuses_overlap():
 
 
 # ---------------------------------------------------------------- rejection sampling
-CHI2_DF5_P001 = 20.52  # the chi-square critical value for 5 degrees of freedom at p = 0.001
-
-
-def chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
-    counts = torch.bincount(tokens, minlength=p.numel()).double()
-    expected = p.double() * tokens.numel()
-    return float(((counts - expected) ** 2 / expected).sum())
+CHI2_DF5_P001 = CHI2_P001[5]  # the chi-square critical value for 5 degrees of freedom at p = 0.001
 
 
 @pytest.mark.parametrize("draft", ["distribution", "point_mass", "same_as_target"])
@@ -327,7 +326,7 @@ class StubPreference:
         return ids[len(token_ids):]
 
 
-CHI2_DF15_P001 = 37.70
+CHI2_DF15_P001 = CHI2_P001[15]
 
 
 def test_sampled_speculation_follows_the_models_distribution():
@@ -417,7 +416,10 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     spec.engine.close()
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused():
+def test_a_draft_model_with_another_tokenizer_or_the_learners_ngram_pieces_is_refused():
+    with pytest.raises(InvalidValueError, match="plugs in your n-gram proposer"):
+        LLM("tiny-qwen3", use_exercises=["ch09"], exercises_dir="solutions",
+            speculative_config={"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 2})
     with pytest.raises(InvalidValueError, match="a draft model must share the target's tokenizer"):
         LLM("tiny-qwen3", speculative_config={"method": "draft_model", "model": "smollm2-135m",
                                               "num_speculative_tokens": 2})
