@@ -55,7 +55,7 @@ def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine
     parts = assemble(plan)
     executor = start_executor(plan, parts, launch)
     try:
-        return LLMEngine(config, plan, parts, executor, tokenizer)
+        return LLMEngine(config, plan, parts, executor, tokenizer, build_engine)
     except BaseException:
         executor.close()
         raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -56,8 +57,9 @@ class InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, plan: EnginePlan, parts: EngineParts, executor: Executor,
-                 tokenizer: Any) -> None:
-        """The engine over a started executor (see nanoengine.launch.build_engine, which makes the rest)."""
+                 tokenizer: Any, build_engine: Callable[..., Any] | None = None) -> None:
+        """The engine over a started executor (see nanoengine.launch.build_engine, which makes the rest and
+        hands itself down as `build_engine`, for a draft model's engine)."""
         self.config = config  # what the user asked for
         self.plan = plan  # what it resolved to here
         self.model_path = plan.model_path
@@ -69,7 +71,7 @@ class LLMEngine:
         self.spec_counts = SpecCounts()  # what speculative decoding did (stays zero without it)
         self.accept = parts.accept  # which drafts a verification keeps
         self.proposer = make_proposer(config.speculative_config, plan, tokenizer, executor.num_kv_blocks,
-                                      parts.ngram_proposer_class)
+                                      parts.ngram_proposer_class, build_engine)
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,

@@ -11,19 +11,27 @@ the engine verifies them and the scheduler rolls back the blocks that only rejec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer, Proposer
 
 
 def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
-                  ngram_class: type = NgramProposer) -> Proposer | None:
+                  ngram_class: type = NgramProposer,
+                  build_engine: Callable[..., Any] | None = None) -> Proposer | None:
     """The proposer a SpeculativeConfig asks for (None without one): the n-gram lookup (`ngram_class`: the
-    engine's, or the learner's from chapter 09), or a draft model on an engine of its own (`draft.py`)."""
+    engine's, or the learner's from chapter 09), or a draft model on an engine of its own (`draft.py`), which
+    `build_engine` (nanoengine.launch's) makes."""
     if spec is None:
         return None
     if spec.method == "draft_model":
         from nanoengine.spec.draft import DraftModelProposer
 
-        return DraftModelProposer.build(spec, plan, tokenizer, num_kv_blocks)
+        if build_engine is None:
+            raise InvalidValueError("speculative_config method 'draft_model' needs an engine built by "
+                                    "nanoengine.launch.build_engine (LLM, the server), which builds its "
+                                    "draft's engine too")
+        return DraftModelProposer.build(spec, plan, tokenizer, num_kv_blocks, build_engine)
     return ngram_class(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)

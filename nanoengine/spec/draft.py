@@ -15,6 +15,7 @@ sequences runs B draft requests (batching them into one draft engine run is the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nanoengine.errors import InvalidValueError, NanoengineError
@@ -30,11 +31,12 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
 
     @classmethod
-    def build(cls, spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int) -> DraftModelProposer:
-        """The draft engine for `plan` (the target's): same device, dtype, block size, length and batch
+    def build(cls, spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
+              build_engine: Callable[..., Any]) -> DraftModelProposer:
+        """The draft engine for `plan` (the target's), made by `build_engine` (nanoengine.launch's, handed
+        down: spec/ never imports the engine's builder): same device, dtype, block size, length and batch
         limits, a pool of as many blocks as the target's; refused unless it shares the target's tokenizer."""
         from nanoengine import assets
-        from nanoengine.launch import build_engine
         from nanoengine.tokenizer import load_tokenizer
 
         try:

@@ -68,7 +68,7 @@ RECORD_LEN = 10_000  # verifications kept in SpecCounts.record (the latest ones)
 class SpecCounts:
     """What speculation did in an engine's life: drafts proposed and accepted, and the verifications (one
     per speculating sequence per step) with the tokens they gave; `record` keeps the latest RECORD_LEN
-    verifications one by one (the per-step figure of chapter 09, nanoengine.viz.spec, reads it)."""
+    verifications one by one (chapter 09's per-step figure is drawn from it)."""
     proposed: int = 0
     accepted: int = 0
     verifications: int = 0
