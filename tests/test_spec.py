@@ -446,7 +446,7 @@ def test_spec_bench_writes_its_figures(tmp_path):
             "--draft-model", "tiny-qwen3"]
     assert bench.main(argv) == 0
     result = json.loads(next(tmp_path.glob("spec_*.json")).read_text())
-    assert result["speculative_config"]["num_speculative_tokens"] == 4
+    assert result["speculative_configs"]["ngram"]["num_speculative_tokens"] == 4
     for task in ("grounded", "free"):
         t = result["tasks"][task]
         assert t["same_tokens"] and t["output_tokens"] == 8

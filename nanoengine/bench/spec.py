@@ -103,7 +103,7 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
     hw = hardware.describe(device)
     hw["threads"] = torch.get_num_threads()
     return {"model": model, "workload": f"spec-{'-'.join(specs)}-k{k}", "hardware": hw,
-            "speculative_config": specs["ngram"], "speculative_configs": specs, "max_tokens": max_tokens,
+            "speculative_configs": specs, "max_tokens": max_tokens,
             "repeats": repeats, "dtype": dtype, "tasks": tasks}
 
 

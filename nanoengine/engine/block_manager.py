@@ -234,12 +234,18 @@ class BlockManager:
         """Keep the blocks that hold seq's first `num_tokens` tokens and free the rest (speculative decoding's
         rollback, chapter 09: blocks that only rejected drafts wrote). Such blocks were never hashed (a hash
         needs known tokens), so they go back unhashed. Returns the blocks freed."""
-        keep = self.blocks_for(num_tokens)
-        if keep >= len(seq.block_table):
+        if self.blocks_for(num_tokens) >= len(seq.block_table):
             return []
-        freed = self.release(seq.block_table[keep:])
-        del seq.block_table[keep:]
+        freed = self.rollback_blocks(seq.block_table, num_tokens)
         seq.num_table_resets += 1  # the table shrank: copies of it (the decode block tables) start afresh
+        return freed
+
+    def rollback_blocks(self, block_table: list[int], num_tokens: int) -> list[int]:
+        """Shorten `block_table` in place to the blocks of its first `num_tokens` tokens, releasing the later
+        ones (last first); returns the blocks freed (chapter 09's Exercise 9.4 replaces this)."""
+        keep = self.blocks_for(num_tokens)
+        freed = self.release(block_table[keep:])
+        del block_table[keep:]
         return freed
 
     # ------------------------------------------------------------------ inspection

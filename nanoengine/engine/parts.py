@@ -15,7 +15,7 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | ch05 | the scheduler's step; the sampler |
 | ch06 | the decode graphs (the CPU stand-in) |
 | ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
-| ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's rollback (`truncate`) |
+| ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's `rollback_blocks` |
 """
 
 from __future__ import annotations

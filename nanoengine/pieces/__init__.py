@@ -12,7 +12,7 @@ of the engine runs unchanged around them:
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
 | ch07 | a rank's rows of a weight; the parallel forwards, their collectives | every sharded layer's TPGroup |
-| ch09 | n-gram drafts, greedy acceptance, rolling back rejected drafts' blocks | proposer, verify, truncate |
+| ch09 | n-gram drafts, greedy acceptance, rolling back rejected drafts' blocks | proposer, verify, rollback |
 
 This module is the selection: which chapters (`chapters_of`), from which folder (`folder_of`), the process
 default `use_exercises()` sets, and `selected()`, which applies that default once, where an engine is built

@@ -5,10 +5,11 @@ decides which drafts a verification keeps (your 9.2), and the block manager's ro
 They run only with speculation on (`speculative_config={"method": "ngram", ...}`; the plan refuses
 use_exercises=["ch09"] without it). The proposer has NgramProposer's constructor and `propose`, and calls your
 `propose_ngram`; the engine's verification calls your `accept_greedy` with each sequence's drafts and the
-model's tokens; the BlockManager subclass's `truncate` frees the blocks past the kept tokens with your
-`rollback_blocks`, over the engine's own ref counts and free list (on top of chapter 04's block manager when
-both are chosen). Your 9.3 (rejection sampling with a draft distribution) has no place here: an n-gram draft
-is a point mass, for which the rule is the engine's sampler followed by your 9.2 (nanoengine/spec/verify.py).
+model's tokens; the BlockManager subclass's `rollback_blocks` (which `truncate` calls) frees the blocks
+past the kept tokens with yours, over the engine's own ref counts and free list (on top of chapter 04's
+block manager when both are chosen). Your 9.3 (rejection sampling with a draft distribution) has no place
+here: an n-gram draft is a point mass, for which the rule is the engine's sampler followed by your 9.2
+(nanoengine/spec/verify.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Callable
 from types import ModuleType
 
 from nanoengine.engine.block_manager import BlockManager
-from nanoengine.engine.sequence import Sequence
 from nanoengine.pieces.learner import check_result, piece
 
 
@@ -57,15 +57,12 @@ def block_manager_class(module: ModuleType, base: type[BlockManager] = BlockMana
     rollback_blocks = piece(module, "rollback_blocks", "ch09")
 
     class LearnerRollbackBlockManager(base):
-        def truncate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        def rollback_blocks(self, block_table: list[int], num_tokens: int) -> list[int]:
             keep = self.blocks_for(num_tokens)
-            if keep >= len(seq.block_table):
-                return []
-            freed = rollback_blocks(self, seq.block_table, num_tokens)
-            check_result(isinstance(freed, list) and len(seq.block_table) == keep, rollback_blocks,
-                         f"{freed!r}, leaving a table of {len(seq.block_table)} blocks; it must keep the "
+            freed = rollback_blocks(self, block_table, num_tokens)
+            check_result(isinstance(freed, list) and len(block_table) == keep, rollback_blocks,
+                         f"{freed!r}, leaving a table of {len(block_table)} blocks; it must keep the "
                          f"{keep} blocks that hold {num_tokens} tokens and return the freed ones")
-            seq.num_table_resets += 1  # the table shrank: copies of it (the decode block tables) start afresh
             return freed
 
     return LearnerRollbackBlockManager

@@ -75,8 +75,7 @@ class SpecCounts:
     tokens: int = 0  # appended by the verifications (accepted drafts + the model's own token)
     record: deque[Verification] = field(default_factory=lambda: deque(maxlen=RECORD_LEN), repr=False)
 
-    def add(self, num_drafts: int, num_accepted: int, num_tokens: int, step: int = -1,
-            seq_id: int = -1) -> None:
+    def add(self, num_drafts: int, num_accepted: int, num_tokens: int, step: int, seq_id: int) -> None:
         self.proposed += num_drafts
         self.accepted += num_accepted
         self.verifications += 1
