@@ -13,9 +13,11 @@ Exercise 3.6: paged decode attention read in place, one block at a time, with an
 Exercise 3.7: paged decode attention as a Triton kernel, which the engine decodes with.
 (`triton_paged_decode`, given, launches it.)
 
-A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
-positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and
-its first seq.num_cached_tokens tokens sit in blocks the prefix cache shares (chapter 04).
+A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill, start): sequence `seq`
+computes positions start .. start + num_new_tokens - 1 this step (`start` is where the step begins: the
+scheduler has already counted the step's tokens in seq.num_computed_tokens when the batch is laid out);
+seq.block_table lists its blocks, and its first seq.num_cached_tokens tokens sit in blocks the prefix cache
+shares (chapter 04).
 
 Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].

@@ -95,18 +95,19 @@ class FlatBatch:
 def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     """Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does.
 
-    Each ScheduledSeq computes positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 of
-    its sequence (num_computed_tokens is not yet advanced: that happens after the forward pass).
+    Each ScheduledSeq computes positions start .. start + num_new_tokens - 1 of its sequence (`start`: where
+    the step begins; the scheduler has already counted these tokens in seq.num_computed_tokens). The
+    sequence's known tokens are seq.token_ids.
     - Decodes first: every ScheduledSeq with exactly ONE new token (a prefill whose prompt hit the prefix
       cache up to its last token counts too), in scheduled order; then every other one (prefill chunks),
       in scheduled order.
     - Per row: the token id at that position, the position, and the slot
       block_table[pos // block_size] * block_size + pos % block_size, or -1 when pos < num_cached_tokens
       (a shared prefix-cache block already holds that K/V: it is not written again).
-    - Decodes: their block tables, padded with 0 to the longest, and their context length (computed + 1).
-    - Prefill chunks: the row where each starts, its length, and its context length (computed + new).
-    - Sampled rows: the row of a sequence's last token, only when this step reaches the end of the
-      sequence (a chunk in the middle of a prompt produces no token), with that sequence's id.
+    - Decodes: their block tables, padded with 0 to the longest, and their context length (start + 1).
+    - Prefill chunks: the row where each starts, its length, and its context length (start + new).
+    - Sampled rows: the row of a sequence's last token, only when this step reaches the end of its known
+      tokens (a chunk in the middle of a prompt produces no token), with that sequence's id, in row order.
     """
     raise NotImplementedError("Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does - see book/05_continuous_batching.ipynb")
 

@@ -76,16 +76,17 @@ class LLM:
             self.trace = engine.start_trace()
         for r in requests:
             engine.add(r)
-        engine.stats.clear()
+        engine.clear_stats()
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
         t0 = time.perf_counter()
+        steps = 0
         try:
             while any(not r.finished for r in requests):
-                engine.step()
+                steps += engine.step().stats is not None
                 if bar is not None:
                     done = sum(r.finished for r in requests)
                     if done != bar.n:
@@ -95,7 +96,7 @@ class LLM:
         finally:  # let the engine forget these requests; after Ctrl-C this also aborts the unfinished ones
             for r in requests:
                 engine.abort(r.request_id)
-            engine.drain()  # a step launched before they finished (overlap): its tokens go nowhere
+            steps += engine.drain().stats is not None  # a step launched before they finished (overlap)
             if bar is not None:
                 bar.close()
         n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -103,9 +104,9 @@ class LLM:
         self.last_run_stats = {"num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
                                "seconds": seconds, "output_tokens_per_s": n_out / max(seconds, 1e-9),
                                "total_tokens_per_s": (n_in + n_out) / max(seconds, 1e-9),
-                               "steps": engine.step_count}
+                               "steps": steps}
         if self.trace is not None:
-            engine.trace = None
+            engine.stop_trace()
         return outputs
 
     def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
@@ -131,7 +132,7 @@ class LLM:
         engine.add(req)
         try:
             while not req.finished:
-                for r, i, delta in engine.step():
+                for r, i, delta in engine.step().deltas:
                     if r is req and i == 0:
                         yield delta
         finally:

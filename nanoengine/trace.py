@@ -26,7 +26,7 @@ class StepStats:
     schedule_s: float  # scheduler
     prepare_s: float  # input builder: the flat inputs and attention metadata, and the sampler's parameters
     forward_s: float  # the host's time on the forward: launching it, and waiting for its tokens (wait_s)
-    postprocess_s: float  # counting the tokens computed, appending the new ones, stop rules, detokenization
+    postprocess_s: float  # after the tokens are known: Scheduler.update (tokens in place, stop rules), text
     time: float  # seconds since the engine was created, at the end of the step
     detokenize_s: float = 0.0  # the part of postprocess_s in Completion.push (text and stop strings)
     wait_s: float = 0.0  # the part of forward_s the host sat waiting for the step's tokens
@@ -153,12 +153,11 @@ class RunTrace:
 
     def record(self, out: Any, finished: list[Any], stats: StepStats, running: list[Any],
                block_manager: Any) -> StepTrace:
-        """Append the step that produced SchedulerOutput `out` (after postprocess: num_computed_tokens already
-        counts this step's tokens), with a snapshot of the running sequences and the block manager."""
+        """Append the step that produced SchedulerOutput `out` (after its update), with a snapshot of the
+        running sequences and the block manager."""
         bm = block_manager
         entries = [ScheduledEntry(s.seq.seq_id, s.num_new_tokens if s.is_prefill else 0,
-                                  0 if s.is_prefill else 1, s.seq.num_computed_tokens - s.num_new_tokens)
-                   for s in out.scheduled]
+                                  0 if s.is_prefill else 1, s.start) for s in out.scheduled]
         hashed = [b for b in bm.blocks if b.hash is not None]
         step = StepTrace(
             step=len(self.steps), stats=stats, scheduled=entries, token_budget=self.max_num_batched_tokens,

@@ -9,9 +9,11 @@ Exercise 3.6: paged decode attention read in place, one block at a time, with an
 Exercise 3.7: paged decode attention as a Triton kernel, which the engine decodes with.
 (`triton_paged_decode`, given, launches it.)
 
-A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill): sequence `seq` computes
-positions seq.num_computed_tokens .. + num_new_tokens - 1 this step; seq.block_table lists its blocks, and
-its first seq.num_cached_tokens tokens sit in blocks the prefix cache shares (chapter 04).
+A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill, start): sequence `seq`
+computes positions start .. start + num_new_tokens - 1 this step (`start` is where the step begins: the
+scheduler has already counted the step's tokens in seq.num_computed_tokens when the batch is laid out);
+seq.block_table lists its blocks, and its first seq.num_cached_tokens tokens sit in blocks the prefix cache
+shares (chapter 04).
 
 Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].
@@ -54,7 +56,7 @@ def batch_slot_mapping(scheduled: list[Any], block_size: int) -> list[int]:
     for group in ([s for s in scheduled if s.num_new_tokens == 1],
                   [s for s in scheduled if s.num_new_tokens > 1]):
         for s in group:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             for p in range(start, start + s.num_new_tokens):
                 cached = p < seq.num_cached_tokens
                 slots.append(-1 if cached else seq.block_table[p // block_size] * block_size + p % block_size)
@@ -80,7 +82,7 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
         width = max(len(s.seq.block_table) for s in decodes)
         tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
                               dtype=torch.int64)  # [num_decodes, max_blocks]
-        ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int64)
+        ctx = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int64)
     starts, row = [], len(decodes)
     for s in prefills:
         starts.append(row)
@@ -89,7 +91,7 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
         slot_mapping=torch.tensor(batch_slot_mapping(scheduled, block_size), dtype=torch.int64),
         num_decode_seqs=len(decodes), decode_block_tables=tables, decode_context_lens=ctx,
         prefill_query_starts=starts, prefill_query_lens=[s.num_new_tokens for s in prefills],
-        prefill_context_lens=[s.seq.num_computed_tokens + s.num_new_tokens for s in prefills],
+        prefill_context_lens=[s.start + s.num_new_tokens for s in prefills],
         prefill_block_tables=[torch.tensor(s.seq.block_table, dtype=torch.int64) for s in prefills],
         block_size=block_size)
     # END SOLUTION

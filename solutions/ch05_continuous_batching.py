@@ -150,18 +150,19 @@ class FlatBatch:
 def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     """Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does.
 
-    Each ScheduledSeq computes positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 of
-    its sequence (num_computed_tokens is not yet advanced: that happens after the forward pass).
+    Each ScheduledSeq computes positions start .. start + num_new_tokens - 1 of its sequence (`start`: where
+    the step begins; the scheduler has already counted these tokens in seq.num_computed_tokens). The
+    sequence's known tokens are seq.token_ids.
     - Decodes first: every ScheduledSeq with exactly ONE new token (a prefill whose prompt hit the prefix
       cache up to its last token counts too), in scheduled order; then every other one (prefill chunks),
       in scheduled order.
     - Per row: the token id at that position, the position, and the slot
       block_table[pos // block_size] * block_size + pos % block_size, or -1 when pos < num_cached_tokens
       (a shared prefix-cache block already holds that K/V: it is not written again).
-    - Decodes: their block tables, padded with 0 to the longest, and their context length (computed + 1).
-    - Prefill chunks: the row where each starts, its length, and its context length (computed + new).
-    - Sampled rows: the row of a sequence's last token, only when this step reaches the end of the
-      sequence (a chunk in the middle of a prompt produces no token), with that sequence's id.
+    - Decodes: their block tables, padded with 0 to the longest, and their context length (start + 1).
+    - Prefill chunks: the row where each starts, its length, and its context length (start + new).
+    - Sampled rows: the row of a sequence's last token, only when this step reaches the end of its known
+      tokens (a chunk in the middle of a prompt produces no token), with that sequence's id, in row order.
     """
     # BEGIN SOLUTION
     flat = FlatBatch()
@@ -169,7 +170,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     prefills = [s for s in scheduled if s.num_new_tokens != 1]
     for group in (decodes, prefills):
         for s in group:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, start, n = s.seq, s.start, s.num_new_tokens
             if group is prefills:
                 flat.prefill_query_starts.append(len(flat.input_ids))
                 flat.prefill_query_lens.append(n)
@@ -180,12 +181,12 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
                 block = seq.block_table[pos // block_size]
                 flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens
                                          else block * block_size + pos % block_size)
-            if start + n == seq.num_tokens:
+            if start + n == len(seq.token_ids):
                 flat.sample_rows.append(len(flat.input_ids) - 1)
                 flat.sample_seq_ids.append(seq.seq_id)
     width = max((len(s.seq.block_table) for s in decodes), default=0)
     flat.decode_block_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-    flat.decode_context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+    flat.decode_context_lens = [s.start + 1 for s in decodes]
     return flat
     # END SOLUTION
 

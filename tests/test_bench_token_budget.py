@@ -20,7 +20,7 @@ def two_requests(cls: type[Scheduler]) -> tuple[Scheduler, Sequence, Sequence]:
     old = Sequence(list(range(100, 104)), SamplingParams(max_tokens=8, ignore_eos=True), 4)
     sched.add(old)
     out = sched.schedule()  # its 4-token prompt, whole
-    sched.postprocess(out, [(old, 1)])
+    sched.update(out, [1])
     new = Sequence(list(range(200, 210)), SamplingParams(max_tokens=2, ignore_eos=True), 4)
     sched.add(new)
     return sched, old, new
@@ -28,8 +28,7 @@ def two_requests(cls: type[Scheduler]) -> tuple[Scheduler, Sequence, Sequence]:
 
 def batch(sched: Scheduler) -> list[tuple[int, int]]:
     out = sched.schedule()
-    sched.postprocess(out, [(s.seq, 1) for s in out.scheduled
-                            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens])
+    sched.update(out, [1] * len(out.sampled))
     return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
 
 

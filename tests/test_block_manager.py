@@ -110,7 +110,7 @@ def test_generated_tokens_are_cached_too():
     bm = BlockManager(8, BS)
     a = make_seq([1, 2, 3])
     run_prefill(bm, a)
-    a.append_token(4)
+    a.token_ids.append(4)
     bm.allocate(a, 1)
     a.num_computed_tokens = 4
     bm.cache_full_blocks(a)

@@ -228,7 +228,8 @@ def decode_step_input(llm, prompts: list[list[int]]):
             for rid in rids:
                 eng.abort(rid)
             return inp
-        eng.scheduler.postprocess(out, eng.next_tokens(inp, sample_seqs))
+        forward = eng.executor.launch(inp, eng.sampling.batch(sample_seqs))
+        eng.scheduler.update(out, forward.tokens())
 
 
 @pytest.mark.parametrize("model,batch", [("tiny-qwen3", 1), ("tiny-qwen3", 5), ("smollm2-135m", 1),

@@ -179,7 +179,7 @@ def test_one_process_executor_runs_rpcs_and_keeps_sampling_on_the_driver(llm):
     while the request runs and goes when it finishes."""
     blocks = llm.engine.executor.num_kv_blocks
     assert llm.collective_rpc(lambda runner, k: (runner.num_blocks, k), 7) == [(blocks, 7)]
-    sampler = llm.engine.sampler
+    sampler = llm.engine.sampling
     stream = llm.stream("hello", SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
     next(stream)
     assert len(sampler.generators) == 1  # the running request's own generator

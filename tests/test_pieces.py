@@ -57,7 +57,7 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
     assert runner.attn_backend.__name__ == "LearnerPromptAttention"
     assert type(llm.engine.block_manager).__name__ == "LearnerBlockManager"
     assert type(llm.engine.scheduler).__name__ == "LearnerScheduler"
-    assert type(llm.engine.sampler.sampler).__name__ == "LearnerSampler"
+    assert type(llm.engine.executor.sampler).__name__ == "LearnerSampler"
     assert runner.kv_cache_shape[1] == llm.plan.block_size  # chapter 03's blocks-first layout
 
 

@@ -1,4 +1,4 @@
-"""Completion.push: one token in, the text delta out, cut at stop strings (vLLM's rules), on a
+"""Completion.push: tokens in, the text delta out, cut at stop strings (vLLM's rules), on a
 character-per-token tokenizer so the oracle is plain string slicing."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def run(text: str, **params) -> tuple[list[str], Completion]:
     completion = Completion(seq, CharTokenizer())
     deltas = []
     for ch in text:
-        seq.append_token(ord(ch))
-        deltas.append(completion.push(ord(ch)))
+        seq.token_ids.append(ord(ch))
+        deltas.append(completion.push([ord(ch)], False))
         if completion.stop_string is not None:
             break
     return deltas, completion
@@ -52,9 +52,9 @@ def test_stop_strings_wait_for_min_tokens():
 def test_finished_sequence_flushes_and_reports_its_reasons():
     seq = Sequence([1], SamplingParams(), 4)
     c = Completion(seq, CharTokenizer())
-    seq.append_token(ord("x"))
+    seq.token_ids.append(ord("x"))
     seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", 7
-    assert c.push(ord("x")) == "x"
+    assert c.push([ord("x")], True) == "x"
     out = c.output()
     assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == ("x", [ord("x")], "stop", 7)
 
@@ -87,8 +87,23 @@ def test_held_back_text_comes_out_when_the_sequence_finishes():
     c = Completion(seq, CharTokenizer())
     shown = []
     for ch in "abXY":
-        seq.append_token(ord(ch))
-        if ch == "Y":  # the last token: e.g. max_tokens reached
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        shown.append(c.push(ord(ch)))
+        seq.token_ids.append(ord(ch))
+        shown.append(c.push([ord(ch)], ch == "Y"))  # the last token ends it: e.g. max_tokens reached
     assert shown == ["", "", "a", "bXY"] and c.text == "abXY"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_several_tokens_at_once_stop_at_the_one_that_completes_a_stop_string(include):
+    """A verification's kept tokens come in one push: the text is the same as one token at a time, and the
+    tokens after the one that completed the stop string are counted as dropped."""
+    text = "say STOP now"
+    seq = Sequence([1], SamplingParams(stop="STOP", include_stop_str_in_output=include), 4)
+    c = Completion(seq, CharTokenizer())
+    first = c.push([ord(ch) for ch in text[:5]], False)
+    # the same as one by one ("sa": " S" is held back while it may begin "STOP", unless the stop is shown)
+    assert first == "".join(run(text[:5], stop="STOP", include_stop_str_in_output=include)[0])
+    assert c.stop_string is None and c.num_dropped == 0
+    delta = c.push([ord(ch) for ch in text[5:]], False)
+    one_by_one = run(text, stop="STOP", include_stop_str_in_output=include)[1]
+    assert c.text == one_by_one.text and first + delta == c.text and c.stop_string == "STOP"
+    assert c.num_dropped == len(" now")  # "TOP" completed it; " now" is not kept

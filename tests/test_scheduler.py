@@ -35,9 +35,7 @@ def seq_of(sched, tokens, **sp):
 def step(sched, token=1):
     """One engine step: schedule, then give a token to every seq that finished its prefill or decoded."""
     out = sched.schedule()
-    sampled = [(s.seq, token) for s in out.scheduled
-               if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-    finished = sched.postprocess(out, sampled)
+    finished = sched.update(out, [token] * len(out.sampled)).finished
     return out, finished
 
 
@@ -81,8 +79,11 @@ def test_partial_chunk_gets_no_token_even_if_offered():
     a = seq_of(sched, range(10))
     sched.add(a)
     out = sched.schedule()
-    sched.postprocess(out, [(a, 5)])
+    assert out.sampled == []  # a chunk in the middle of the prompt samples nothing
+    sched.update(out, [])
     assert a.num_tokens == 10 and a.num_computed_tokens == 4
+    with pytest.raises(ValueError, match="got 1 tokens for a step that samples 0"):
+        sched.update(out, [5])
 
 
 def test_several_prefill_chunks_in_one_step():
@@ -397,7 +398,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         written = {}
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
+            start = s.start
+            assert seq.num_computed_tokens == start + n  # committed: the step's tokens count as computed
             assert n >= 1 and start + n <= seq.num_tokens and len(seq.block_table) * bs >= start + n
             for pos in range(start, start + n):  # "run the model": write this position's K/V
                 slot = (seq.block_table[pos // bs], pos % bs)
@@ -412,13 +414,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv.update(written)  # every layer stores the whole batch's K/V before anyone attends
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
+            start = s.start
             for pos in range(start + n):  # what this sequence's attention reads this step
                 slot = (seq.block_table[pos // bs], pos % bs)
                 assert self.kv.get(slot) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
-            if start + n == seq.num_tokens:
-                sampled.append((seq, EOS if rng.random() < 0.1 else rng.randrange(VOCAB)))
-        finished = sched.postprocess(out, sampled)
+            if start + n == len(seq.token_ids):  # it reaches its last known token: the step samples for it
+                sampled.append(seq)
+        assert [id(s) for s in out.sampled] == [id(s) for s in sampled]
+        tokens = [EOS if rng.random() < 0.1 else rng.randrange(VOCAB) for _ in sampled]
+        finished = sched.update(out, tokens).finished
         for seq in finished:
             assert seq.is_finished and seq.block_table == [] and seq.finish_reason in ("stop", "length")
             sp = seq.sampling_params

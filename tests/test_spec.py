@@ -283,7 +283,7 @@ def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
     for proposer in ["ngram", NoisyOracle(answers)]:
         eng = stub(NGRAM, num_blocks=pool)
         if proposer != "ngram":
-            eng.scheduler.proposer = proposer
+            eng.scheduler.speculator.proposer = proposer
         assert run(eng, STUB_PROMPTS, params, checker) == want, proposer
         counts = eng.spec_counts
         assert 0 < counts.accepted < counts.proposed  # both kinds of verification happened
@@ -334,7 +334,7 @@ def test_sampled_speculation_follows_the_models_distribution():
     marginal laws under the stub model, by chi-square on its 16 tokens."""
     prompt, n = [1, 2], 1500
     eng = stub(NGRAM, num_blocks=2048, max_num_batched_tokens=4096, max_num_seqs=256)
-    eng.scheduler.proposer = StubPreference()
+    eng.scheduler.speculator.proposer = StubPreference()
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
     out = run(eng, [prompt] * n, params)
     assert eng.spec_counts.accepted > n // 4 and eng.spec_counts.accepted < eng.spec_counts.proposed
@@ -362,7 +362,7 @@ def test_tiny_qwen3_greedy_speculation_equals_plain():
     want = [o.outputs[0].token_ids for o in outs]
     spec = LLM("tiny-qwen3", speculative_config=NGRAM, **kw)
     answers = [o.prompt_token_ids + w for o, w in zip(outs, want)]
-    spec.engine.scheduler.proposer = NoisyOracle(answers, k=4, seed=1)
+    spec.engine.scheduler.speculator.proposer = NoisyOracle(answers, k=4, seed=1)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     counts = spec.engine.spec_counts
@@ -408,7 +408,7 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     assert any(st.num_preempted for st in eng.stats), "the 10-block pool should preempt"
     assert any(st.cache_hit_tokens for st in eng.stats), "the shared prompts should hit the prefix cache"
     assert eng.block_manager.num_free_blocks == 10
-    assert eng.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool: all back too
+    assert eng.speculator.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool: all back too
     sampled = [SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)] * 2
     runs = [[o.outputs[0].token_ids for o in spec.generate(prompts[:2], sampled, use_tqdm=False)]
             for _ in range(2)]

@@ -52,11 +52,9 @@ def long_prompt_behind_short_ones(policy: str, *, num_blocks: int = 64, block_si
             long_id = add(long_prompt, 4)
         out = sched.schedule()
         tokens += out.num_batched_tokens
-        sampled = [(s.seq, 1) for s in out.scheduled
-                   if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-        for seq, _ in sampled:
+        for seq in out.sampled:
             first_token.setdefault(seq.seq_id, step)
-        sched.postprocess(out, sampled)
+        sched.update(out, [1] * len(out.sampled))
         step += 1
     waits = {sid: first_token[sid] - arrived[sid] for sid in arrived}
     short = [w for sid, w in waits.items() if sid != long_id]

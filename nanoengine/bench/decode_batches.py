@@ -58,5 +58,5 @@ def decode_points(llm: Any, batch_sizes: Sequence[int] = BATCH_SIZES, prompt_len
         points.append({"batch": b, "step_s": step_s, "step_times_s": gaps, "flops": flops, "bytes": nbytes,
                        "intensity": flops / nbytes, "gflops": flops / step_s / 1e9,
                        "context": [prompt_len + 2, prompt_len + steps]})
-    llm.engine.stats.clear()
+    llm.engine.clear_stats()
     return points

@@ -3,16 +3,16 @@ and 08.
 
 On a GPU a CUDA-graph decode step of a small model takes a few milliseconds, and whatever the host does
 between two launches is time the GPU may sit idle. This benchmark runs the real engine loop (scheduler,
-input builder, executor, sampler, postprocess, detokenizer, stats) over a `StubExecutor`: no model, no KV
+input builder, executor, sampler, update, detokenizer, stats) over a `StubExecutor`: no model, no KV
 cache; each sampled row gets random logits over a small vocabulary (so the sampler still draws, in
 microseconds), and tokens come back as they would from a device. At batch 1, 32 and 256 (decode steps only:
 every request is prefilled before the measured window), with overlap scheduling off and on, it reports the
 milliseconds of one `LLMEngine.step` call and their split:
-- schedule: Scheduler.schedule;
+- schedule: Scheduler.schedule (picking the batch and committing it: its tokens count as computed);
 - build: InputBuilder.build and the sampler's parameters;
 - launch: handing the step to the executor (with overlap on CPU: to its thread);
 - wait: waiting for the tokens (with overlap, for the step launched in the call before);
-- postprocess: counting computed tokens, putting sampled tokens in place, stop rules;
+- update: Scheduler.update (sampled tokens in place, blocks cached, stop rules);
 - detokenize: Completion.push (incremental detokenization, stop strings);
 - other: the rest of the call (request metrics, StepStats, the loop itself).
 "critical path" is everything but the wait: with overlap on it runs while the device computes the step
@@ -41,11 +41,13 @@ from nanoengine.engine.executor import Executor
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.parts import assemble
+from nanoengine.layers.sampler import Sampler
 from nanoengine.plan import EnginePlan, resolve_plan
 from nanoengine.tokenizer import load_tokenizer
+from nanoengine.trace import StepStats
 
 STUB_VOCAB = 64  # the stub's logits cover token ids 0..63 (single characters in Qwen3's vocabulary)
-PHASES = ("schedule", "build", "launch", "wait", "postprocess", "detokenize", "other")
+PHASES = ("schedule", "build", "launch", "wait", "update", "detokenize", "other")
 
 
 class StubExecutor(Executor):
@@ -54,6 +56,7 @@ class StubExecutor(Executor):
     def __init__(self, plan: EnginePlan, num_blocks: int, seed: int = 0) -> None:
         self.blocks = num_blocks
         self.generator = torch.Generator().manual_seed(seed)
+        self.sampler = Sampler(plan.seed)  # the engine's draw, over the random logits
         self.start_thread(plan)
 
     @property
@@ -95,17 +98,19 @@ def stub_engine(model: str, async_scheduling: bool, num_blocks: int, seed: int =
     return LLMEngine(config, plan, parts, executor(plan, num_blocks, seed), load_tokenizer(path))
 
 
-def timed_steps(eng: LLMEngine, steps: int) -> list[float]:
-    """Seconds of each of `steps` engine steps, after 3 more into a steady state (eng.stats: those only)."""
+def timed_steps(eng: LLMEngine, steps: int) -> tuple[list[float], list[StepStats]]:
+    """Seconds of each of `steps` engine steps, after 3 more into a steady state, and the StepStats of the
+    steps they finished."""
     for _ in range(3):
         eng.step()
-    eng.stats.clear()
-    walls = []
+    walls, stats = [], []
     for _ in range(steps):
         t = time.perf_counter()
-        eng.step()
+        result = eng.step()
         walls.append(time.perf_counter() - t)
-    return walls
+        if result.stats is not None:
+            stats.append(result.stats)
+    return walls, stats
 
 
 def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, seed: int = 0,
@@ -129,8 +134,8 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
         eng.add(eng.make_request([rng.randrange(vocab) for _ in range(n)], params, final_only=not streaming))
     while any(s.is_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting)):
         eng.step()  # prefill every prompt (stubbed: costs only the host's part)
-    walls = timed_steps(eng, steps)
-    stats = [s for s in eng.stats if s.prefill_tokens == 0 and s.num_seqs == batch]
+    walls, stats = timed_steps(eng, steps)
+    stats = [s for s in stats if s.prefill_tokens == 0 and s.num_seqs == batch]
     eng.close()
     if len(stats) < steps - 1:  # (with overlap the last one is still in flight)
         raise RuntimeError(f"only {len(stats)} of {steps} measured steps decoded the whole batch of {batch}")
@@ -141,7 +146,7 @@ def measure(model: str, batch: int, async_scheduling: bool, steps: int = 200, se
     wait = ms([s.wait_s for s in stats])
     phases = {"schedule": ms([s.schedule_s for s in stats]), "build": ms([s.prepare_s for s in stats]),
               "launch": ms([s.forward_s - s.wait_s for s in stats]), "wait": wait,
-              "postprocess": ms([s.postprocess_s - s.detokenize_s for s in stats]),
+              "update": ms([s.postprocess_s - s.detokenize_s for s in stats]),
               "detokenize": ms([s.detokenize_s for s in stats])}
     step_ms = ms(walls)
     phases["other"] = max(0.0, step_ms - sum(phases.values()))
@@ -187,9 +192,9 @@ def measure_backlog(model: str, num_waiting: int, num_running: int = 64, steps: 
     for _ in range(num_waiting):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
         eng.add(eng.make_request(prompt, SamplingParams(max_tokens=16), final_only=True))
-    walls = timed_steps(eng, steps)
+    walls, stats = timed_steps(eng, steps)
     sch = eng.scheduler
-    ok = all(s.num_seqs == num_running and s.prefill_tokens == 0 for s in eng.stats)
+    ok = all(s.num_seqs == num_running and s.prefill_tokens == 0 for s in stats)
     left = len(sch.waiting)
     eng.close()
     if not ok or left != num_waiting:
@@ -197,7 +202,7 @@ def measure_backlog(model: str, num_waiting: int, num_running: int = 64, steps: 
                            f"only and admit none (waiting: {left} of {num_waiting})")
     return {"num_waiting": num_waiting, "num_running": num_running, "steps": steps,
             "step_ms": 1e3 * statistics.fmean(walls), "median_step_ms": 1e3 * statistics.median(walls),
-            "schedule_ms": 1e3 * statistics.fmean(s.schedule_s for s in eng.stats),
+            "schedule_ms": 1e3 * statistics.fmean(s.schedule_s for s in stats),
             "options": options}
 
 

@@ -81,7 +81,7 @@ def run_online(llm: LLM, wl: Workload, request_rate: float, seed: int = 0,
     pending = deque(zip(arrivals, reqs))
     active, metrics, cached = [], {}, {}
     bar = tqdm(total=len(reqs), desc="Online requests", disable=quiet, dynamic_ncols=True)
-    eng.stats.clear()
+    eng.clear_stats()
     start = time.perf_counter()
     try:
         while pending or active:

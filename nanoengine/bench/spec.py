@@ -46,11 +46,11 @@ TASKS = {
 def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str, Any]:
     """One request alone: its tokens, decode tokens/s and decode steps, and what speculation did."""
     eng = llm.engine
-    steps, counts = eng.step_count, dict(eng.spec_counts.as_dict())
+    counts = dict(eng.spec_counts.as_dict())
     out = llm.chat(messages, params, use_tqdm=False)[0]
     m = out.metrics
     tokens = out.outputs[0].token_ids
-    decode_steps = eng.step_count - steps - 1  # (one prefill step: the prompt fits the budget)
+    decode_steps = llm.last_run_stats["steps"] - 1  # (one prefill step: the prompt fits the budget)
     after = eng.spec_counts.as_dict()
     proposed, accepted = after["proposed"] - counts["proposed"], after["accepted"] - counts["accepted"]
     return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (m.finished_time - m.first_token_time),

@@ -73,7 +73,7 @@ def fused_timers(runner: Any):
 def _decode_run(llm: LLM, prompt: list[int], output_len: int) -> tuple[Any, list[Any]]:
     """One greedy request through the engine: (its output, the StepStats of its decode steps)."""
     engine = llm.engine
-    engine.stats.clear()
+    engine.clear_stats()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     return out, [s for s in engine.stats if s.prefill_tokens == 0 and s.num_seqs]
@@ -101,7 +101,7 @@ def single_stream(llm: LLM, prompt_len: int = 256, output_len: int = 64, seed: i
     split = {"linears": linears, "attention": attention, "other": max(0.0, forward - linears - attention),
              "host": host}
     step = sum(split.values())
-    llm.engine.stats.clear()
+    llm.engine.clear_stats()
     return {"prompt_tokens": prompt_len, "output_tokens": output_len,
             "decode_tokens_per_s": 1 / tpot if tpot > 0 else None, "tpot_ms": 1e3 * tpot,
             "step_ms": {k: 1e3 * v for k, v in split.items()},

@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import Any
 
+from nanoengine.engine import pending
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.parts import assemble
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -36,7 +37,7 @@ class PrefillFirstScheduler(Scheduler):
     oldest first, then waiting prompts in queue order), decodes with what is left of the budget. No
     preemption and no n>1 siblings: it raises when the pool runs out."""
 
-    def schedule(self) -> SchedulerOutput:
+    def pick(self) -> SchedulerOutput:
         bm = self.block_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -54,8 +55,8 @@ class PrefillFirstScheduler(Scheduler):
             budget -= n
 
         def wants(seq) -> int:
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            return 0 if seq.num_pending_tokens and self.ends_at_length(seq) else n
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            return 0 if seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len) else n
 
         for seq in [s for s in self.running if s.is_prefill]:  # 1) the rest of running prompts
             if budget > 0 and (n := wants(seq)):

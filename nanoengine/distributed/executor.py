@@ -31,6 +31,7 @@ class MultiprocExecutor(Executor):
         self.workers = LocalWorkers(plan) if launch is None else LauncherRanks(plan, launch)
         with self.workers.lockstep():
             self.runner = ModelRunner(plan, parts, self.workers.group, self.workers.local_rank)
+        self.sampler = parts.sampler
         self.start_thread(plan)
 
     def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:

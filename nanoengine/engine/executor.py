@@ -11,11 +11,13 @@ the executor's business. The interface:
 Here: `UniprocExecutor`, one rank in this process. The tensor-parallel executor, rank 0 here and the other
 ranks in worker processes, is `nanoengine.distributed.executor.MultiprocExecutor`.
 
-Overlap scheduling (chapter 06) lives here too: `launch(model_input, draw)` runs a step and draws its tokens
-without making the caller wait, and hands back `SampledTokens` to wait on later. The executor keeps the
-tokens of the step it launched last on the device: the next step's input ids for the sequences that step
-sampled are read from them (`ModelInput.prev_sampled`), so the host can build step N+1 before step N's tokens
-reach it. Where the forward runs:
+Overlap scheduling (chapter 06) lives here too: `launch(model_input, sampling)` runs a step and draws its
+tokens with rank 0's sampler (the engine's, or the learner's) under the step's `SamplingBatch`, without making
+the caller wait, and hands back a `ForwardOutput` to wait on later (mini-sglang's name: the tokens on the
+device, on the host once they are there, and the event or future that says so). The executor keeps the tokens
+of the step it launched last on the device: the next step's input ids for the sequences that step sampled are
+read from them (`ModelInput.prev_sampled`, nanoengine/engine/pending.py), so the host can build step N+1
+before step N's tokens reach it. Where the forward runs:
 - on CUDA, in the caller's thread: kernels queue on the stream and the call returns; the tokens are copied to
   pinned memory behind an event, so waiting for them is waiting on that event, never a device sync;
 - on CPU with `async_scheduling`, on the executor's one thread (steps run in launch order, and every other
@@ -36,6 +38,7 @@ import torch
 
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.layers.tp_group import SINGLE
 
 if TYPE_CHECKING:
@@ -48,50 +51,49 @@ def call_on(runner: ModelRunner, method: str | Callable, args: tuple) -> Any:
     return method(runner, *args) if callable(method) else getattr(runner, method)(*args)
 
 
-class SampledTokens:
-    """The tokens a launched step sampled [num_sampled] int64, once they are known (`get`)."""
+class ForwardOutput:
+    """A launched step's sampled tokens [num_sampled] int64: on the device, then on the host (`tokens()`
+    waits for them), and when the forward and the draw ran where the host's clock sees them (`span`: CPU;
+    None on CUDA, where they run on the device after the launch returned)."""
 
-    def __init__(self, tokens: torch.Tensor | None, ran: tuple[float, float] | None = None) -> None:
-        self.tokens = tokens  # on the device (None: the step sampled no row)
-        self.ran = ran  # perf_counter at the start and end of the forward and draw (CPU; None on CUDA)
-        self.host = None
-        self.ready = None
-        if tokens is not None and tokens.device.type == "cuda":  # copy out behind an event, no sync
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+    def __init__(self, model_input: ModelInput) -> None:
+        # held here so that the step's inputs are freed on the host's thread: freed on the forward's thread
+        # (CPU overlap) when the pool drops the work item, they made it wait for the GIL until the host
+        # blocked, and the next forward started late (views of the host buffers, which numpy arrays share)
+        self.model_input = model_input
+        self.device_tokens: torch.Tensor | None = None  # None: the step sampled no row
+        self.span: tuple[float, float] | None = None  # perf_counter at the start and end of forward + draw
+        self.host_tokens: torch.Tensor | None = None  # CUDA: a pinned copy, ready once `ready` has fired
+        self.ready: torch.cuda.Event | None = None
+        self.future: Future | None = None  # CPU overlap: the forward on the executor's thread
+
+    def set(self, tokens: torch.Tensor | None, span: tuple[float, float] | None) -> None:
+        """The draw's tokens (where the forward ran); on CUDA their copy to the host starts behind an event,
+        without a sync."""
+        self.device_tokens, self.span = tokens, span
+        if tokens is not None and tokens.device.type == "cuda":
+            self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host_tokens.copy_(tokens, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
 
-    def get(self) -> list[int]:
-        if self.tokens is None:
+    def tokens(self) -> list[int]:
+        """The tokens, once they are known (raises what the step raised)."""
+        if self.future is not None:
+            self.future.result()
+        if self.device_tokens is None:
             return []
         if self.ready is not None:
             self.ready.synchronize()
-            return self.host.tolist()
-        return self.tokens.tolist()
-
-
-class LaunchedStep:
-    """A step running on the executor's thread: its SampledTokens when it is done."""
-
-    def __init__(self, future: Future, model_input: ModelInput) -> None:
-        self.future = future
-        # held here so that the step's inputs are freed on the host's thread: freed on the forward's thread
-        # when the pool drops the work item, they made it wait for the GIL until the host blocked, and the
-        # next forward started late (views of the host buffers, which numpy arrays share)
-        self.model_input = model_input
-
-    def get(self) -> list[int]:
-        return self.future.result().get()  # raises what the step raised
-
-    @property
-    def ran(self) -> tuple[float, float] | None:
-        return self.future.result().ran
+            return self.host_tokens.tolist()
+        return self.device_tokens.tolist()
 
 
 class Executor(ABC):
-    """Rank 0's ModelRunner (`runner`) and however the other ranks run."""
+    """Rank 0's ModelRunner (`runner`), the sampler that draws from its logits, and however the other ranks
+    run."""
     runner: ModelRunner
+    sampler: Sampler  # parts.sampler: the engine's, or the learner's (chapter 05)
     thread: ThreadPoolExecutor | None = None  # where steps run with async_scheduling on CPU
     last_tokens: torch.Tensor | None = None  # the tokens of the step launched last, on rank 0's device
 
@@ -114,22 +116,22 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32."""
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
-    def launch(self, model_input: ModelInput,
-               draw: Callable[[torch.Tensor], torch.Tensor]) -> SampledTokens | LaunchedStep:
-        """Run one step and draw its tokens from rank 0's logits (`draw`: logits -> token ids [num_sampled],
-        on the device), without waiting where the device or the thread allows; `.get()` waits for them."""
+    def launch(self, model_input: ModelInput, sampling: SamplingBatch) -> ForwardOutput:
+        """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
+        without waiting where the device or the thread allows; its `tokens()` waits for them."""
+        out = ForwardOutput(model_input)
         if self.thread is not None:
-            return LaunchedStep(self.thread.submit(self.run_and_draw, model_input, draw), model_input)
-        return self.run_and_draw(model_input, draw)
+            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out)
+        else:
+            self.run_and_draw(model_input, sampling, out)
+        return out
 
     @torch.inference_mode()
-    def run_and_draw(self, model_input: ModelInput, draw: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> SampledTokens:
+    def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput) -> None:
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)
-        self.last_tokens = None if logits is None else draw(logits)  # [num_sampled]
-        on_host = self.device.type == "cpu"
-        return SampledTokens(self.last_tokens, (start, time.perf_counter()) if on_host else None)
+        self.last_tokens = None if logits is None else self.sampler(logits, sampling)  # [num_sampled]
+        out.set(self.last_tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None)
 
     def settle(self) -> None:
         """Wait for the steps launched on the thread (whatever they raise is dropped) and forget the last
@@ -172,6 +174,7 @@ class UniprocExecutor(Executor):
 
     def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
         self.runner = ModelRunner(plan, parts, SINGLE)
+        self.sampler = parts.sampler
         self.start_thread(plan)
 
     def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:

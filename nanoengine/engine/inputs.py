@@ -9,14 +9,17 @@ out in four phases, named as in nano-vllm:
 - prefill chunks: then every prompt chunk, with its query start, length, context and block table;
 - block tables: the decode rows' tables, padded into one [num_decode_rows, max_blocks] array;
 - sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and every
-  row of a verifying sequence: 1 + k).
+  row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
+  `SchedulerOutput.sampled`: its update reads the tokens in that order).
 Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
 already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
 the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
 
-A sequence whose last token is still pending (sampled by the step in flight, overlap scheduling) gets the
-placeholder as its input id, -(row + 1), and the ModelInput says how many tokens that step samples
-(`prev_sampled`): the model runner reads those ids from the executor's last tokens, on the device.
+Each ScheduledSeq says where its step starts (`start`: the scheduler has already counted the step's tokens as
+computed when it is built). A decode whose input is still pending (sampled by the step in flight, overlap
+scheduling) gets a reference to that step's row as its input id, -(row + 1), and the ModelInput says how many
+tokens that step samples (`prev_sampled`): the model runner reads those ids from the executor's last tokens,
+on the device (nanoengine/engine/pending.py).
 
 Plain Python and numpy over Sequences, written into host buffers allocated once and reused (pinned on CUDA,
 so the copies to the device are asynchronous: `non_blocking=True`, no host sync; they are issued on a side
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from nanoengine.attention import AttentionMetadata
+from nanoengine.engine import pending
 from nanoengine.engine.sequence import Sequence
 
 
@@ -52,7 +56,7 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
     sample_rows: torch.Tensor = field(default_factory=no_rows)  # [num_sampled] int64: rows whose logits are
-    # sampled (each a sequence's last token), increasing
+    # sampled (each a sequence's last token), in the order the sequences were scheduled
     prev_sampled: int = 0  # > 0: some input ids are -(row + 1), row `row` of the tokens of the step before
     # (which sampled this many)
 
@@ -141,7 +145,7 @@ class InputBuilder:
         self.turn = 0  # the set the next step is built in
         self.host = self.sets[0]
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self.last_num_sampled = 0  # rows the last built step samples: its tokens are the pending ones
+        self.last_sample_seqs: list[Sequence] = []  # the last built step's sampled rows: its tokens are pending
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
@@ -160,18 +164,25 @@ class InputBuilder:
         block_size = self.block_size
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
+        prev_rows = None  # seq_id -> its row in the step before's tokens, once a pending input needs it
         for s in decodes:
             seq = s.seq
-            pos = seq.num_computed_tokens
+            pos = s.start
             table = seq.block_table
+            known = len(seq.token_ids)
             if s.num_new_tokens == 1:
-                ids.append(seq.token_ids[pos])
+                if pos < known:
+                    ids.append(seq.token_ids[pos])
+                else:  # its input is the token the step in flight samples for it
+                    if prev_rows is None:
+                        prev_rows = {x.seq_id: row for row, x in enumerate(self.last_sample_seqs)}
+                    ids.append(pending.input_id(prev_rows[seq.seq_id]))
                 positions.append(pos)
                 slots.append(-1 if pos < seq.num_cached_tokens
                              else table[pos // block_size] * block_size + pos % block_size)
                 table_lens.append(len(table))
                 row_seqs.append(seq)
-                if pos + 1 == seq.num_tokens:
+                if pos + 1 >= known:  # it reaches its end: its next token is sampled
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
                 continue
@@ -189,13 +200,13 @@ class InputBuilder:
         starts, qlens, ctxs = [], [], []
         widest = max(table_lens, default=0)  # block-table columns this step needs
         for s in prefills:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, start, n = s.seq, s.start, s.num_new_tokens
             starts.append(len(ids))
             qlens.append(n)
             ctxs.append(start + n)
             table = seq.block_table
             widest = max(widest, len(table))
-            known = seq.num_tokens
+            known = len(seq.token_ids)
             chunk = seq.token_ids[start:start + n]
             if start + n > known:
                 chunk += seq.spec_token_ids
@@ -210,6 +221,12 @@ class InputBuilder:
                     sample_rows.append(len(ids) - (start + n - pos))
                     sample_seqs.append(seq)
 
+        if decodes and prefills:  # sampled rows in scheduled order (the scheduler's `sampled`, its update's)
+            where = {s.seq.seq_id: i for i, s in enumerate(scheduled)}
+            order = sorted(range(len(sample_seqs)), key=lambda r: where[sample_seqs[r].seq_id])  # (stable)
+            sample_rows = [sample_rows[r] for r in order]
+            sample_seqs = [sample_seqs[r] for r in order]
+
         # (a speculating sequence samples 1 + k rows)
         host = self.host_buffers(len(ids), max(len(scheduled), len(sample_rows), len(row_seqs)), widest)
         n = len(ids)
@@ -218,9 +235,8 @@ class InputBuilder:
         host.sample_rows[:len(sample_rows)] = sample_rows
         rows = host.sample_rows_t[:len(sample_rows)]
         nd = len(row_seqs)
-        # only a decode's input can be a pending token (a sequence whose last step is still in flight)
-        prev = self.last_num_sampled if nd and host.ids[:nd].min() < 0 else 0
-        self.last_num_sampled = len(sample_rows)
+        prev = len(self.last_sample_seqs) if prev_rows is not None else 0  # (only a decode's input is pending)
+        self.last_sample_seqs = sample_seqs
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
             return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from nanoengine.attention import AttentionMetadata
+from nanoengine.engine import pending
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.layers.linear import prepack_weights, use_bf16_weights
@@ -189,8 +190,8 @@ class ModelRunner:
 
     def with_sampled_ids(self, inp: ModelInput, prev_tokens: torch.Tensor | None) -> ModelInput:
         """The step with its pending input ids (-(row + 1): row `row` of the step before's tokens) read from
-        those tokens, on the device. Under tensor parallelism rank 0 alone has them: an all-reduce of them
-        and the other ranks' zeros hands them to every rank."""
+        those tokens, on the device (nanoengine/engine/pending.py). Under tensor parallelism rank 0 alone has
+        them: an all-reduce of them and the other ranks' zeros hands them to every rank."""
         if self.tp.rank != 0:
             prev_tokens = torch.zeros(inp.prev_sampled, dtype=torch.int64, device=self.device)
         elif prev_tokens is None or prev_tokens.shape[0] != inp.prev_sampled:
@@ -200,9 +201,7 @@ class ModelRunner:
         elif self.tp.size > 1:
             prev_tokens = prev_tokens.clone()  # the all-reduce sums in place
         prev_tokens = self.tp.all_reduce(prev_tokens)  # [prev_sampled]
-        ids = inp.input_ids  # [num_tokens], pending ones < 0
-        from_prev = prev_tokens[(-1 - ids).clamp_(min=0)]  # [num_tokens]
-        return dataclasses.replace(inp, input_ids=torch.where(ids >= 0, ids, from_prev))
+        return dataclasses.replace(inp, input_ids=pending.read_pending_ids(inp.input_ids, prev_tokens))
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:

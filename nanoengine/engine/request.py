@@ -4,7 +4,7 @@
 
 A request asks for `n` completions of one prompt. Each completion is one `Sequence` (the scheduler's view:
 tokens, blocks, status) plus a `Completion` (the user's view: the detokenizer, the text so far, and stop
-strings). `Completion.push(token)` is the one place a sampled token becomes text.
+strings). `Completion.push(tokens, finished)` is the one place sampled tokens become text.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class Completion:
         self.deferred = final_only and not self.params.stop_strings
         self.text = ""
         self.stop_string: str | None = None  # set when the text reached one of params.stop_strings
+        self.num_dropped = 0  # then: the pushed tokens after the one that completed it (they are not kept)
         self.num_sent = 0  # characters of `text` already returned as deltas
         # a stop string may be completed by a later token, so the last len(longest stop) - 1 characters are
         # held back until it is clear they stay (vLLM does the same); with the stop string kept in the output,
@@ -83,22 +84,28 @@ class Completion:
         stops = self.params.stop_strings
         self.holdback = 0 if self.params.include_stop_str_in_output or not stops else max(map(len, stops)) - 1
 
-    def push(self, token: int) -> str:
-        """Take a token the scheduler just appended to the sequence; return the new text to show. When the
-        text reaches a stop string it is cut there (after it with include_stop_str_in_output) and
-        `stop_string` is set: the caller then finishes the sequence. The deltas add up to `text`."""
+    def push(self, tokens: list[int], finished: bool) -> str:
+        """Take the tokens the scheduler just put in place (one, or a verification's kept tokens; `finished`:
+        the sequence ended with the last of them); return the new text to show. When the text reaches a stop
+        string it is cut there (after it with include_stop_str_in_output), `stop_string` is set and
+        `num_dropped` counts the tokens after the one that completed it: the caller then finishes the
+        sequence without them. The deltas add up to `text`."""
         if self.deferred:
             return ""  # the text is made at the end (output)
-        new = self.detokenizer.push(token)
-        if self.seq.is_finished:
-            new += self.detokenizer.flush()
-        text = self.text + new
-        stop = self.find_stop_string(text, len(new))
-        if stop is not None:
-            cut, self.stop_string = stop
-            text = text[:cut]
+        text = self.text
+        for n, token in enumerate(tokens, 1):
+            new = self.detokenizer.push(token)
+            if finished and n == len(tokens):
+                new += self.detokenizer.flush()
+            text += new
+            stop = self.find_stop_string(text, len(new))
+            if stop is not None:
+                cut, self.stop_string = stop
+                text = text[:cut]
+                self.num_dropped = len(tokens) - n
+                break
         self.text = text
-        done = self.seq.is_finished or self.stop_string is not None
+        done = finished or self.stop_string is not None
         end = len(text) if done else max(self.num_sent, len(text) - self.holdback)
         delta, self.num_sent = text[self.num_sent:end], end
         return delta
@@ -107,7 +114,7 @@ class Completion:
         """(cut position, stop string) of the earliest stop string that the last `new_chars` characters
         completed, else None. Stop strings count only after min_tokens."""
         params = self.params
-        if not params.stop_strings or self.seq.num_completion_tokens <= params.min_tokens or not new_chars:
+        if not params.stop_strings or len(self.detokenizer.token_ids) <= params.min_tokens or not new_chars:
             return None
         best = None
         for stop in params.stop_strings:

@@ -1,47 +1,37 @@
-"""RequestSampler: each sampled row's next token, under its own request's parameters, on the driver.
-Chapter 05.
+"""SamplingBatcher: each sampled row's request parameters, laid out for the sampler. Chapter 05.
 
-The executor returns the logits of the rows that reach a sequence's last token; `sample(logits, seqs)` turns
-them into tokens: it lays the requests' parameters out as a `SamplingBatch` (per-row temperatures and
-filters, as tensors only when some row filters) and calls the sampler (`layers/sampler.py`, or the learner's).
+The executor draws a step's tokens from the logits of the rows that reach a sequence's last token, with the
+sampler (`layers/sampler.py`, or the learner's) under the step's `SamplingBatch`: per-row temperatures and
+filters, as tensors only when some row filters. `batch(seqs)` lays it out on the driver before the step is
+launched (decode steps mostly sample the same sequences as the step before: that batch is reused).
 A request with a seed gets its own generator, seeded with seed + its completion index, kept until `release`
 (when it finishes or is aborted), so its samples do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from nanoengine.engine.sequence import Sequence
-from nanoengine.layers.sampler import Sampler, SamplingBatch
+from nanoengine.layers.sampler import SamplingBatch
 
 
-class RequestSampler:
-    def __init__(self, sampler: Sampler, vocab_size: int, device: torch.device) -> None:
-        self.sampler = sampler
+class SamplingBatcher:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
         self.last_ids: list[int] = []  # the sequences of the last batch laid out, and that batch
         self.last_batch: SamplingBatch | None = None
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits [len(seqs), vocab] fp32 -> one token per sequence."""
-        return self.sampler(logits, self.batch(seqs)).tolist()
-
-    def drawer(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The draw of one step, its parameters laid out now: logits [len(seqs), vocab] fp32 -> token ids
-        [len(seqs)] on the logits' device (what the executor calls when the logits exist, maybe on its
-        thread)."""
+    def batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The SamplingBatch of a step's sampled rows (one per entry of `seqs`), on the logits' device."""
         ids = [s.seq_id for s in seqs]
         if ids != self.last_ids:  # decode steps mostly sample the same sequences as the step before
-            self.last_ids, self.last_batch = ids, self.batch(seqs)
-        batch = self.last_batch
-        return lambda logits: self.sampler(logits, batch)
+            self.last_ids, self.last_batch = ids, self.layout(seqs)
+        return self.last_batch
 
-    def batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def layout(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
         gens = []
         for s, p in zip(seqs, params):

@@ -13,10 +13,20 @@ prompt cannot starve behind a stream of short ones. "skip_ahead" tries up to SKI
 admission work is bounded by what it admits, however long the queue: a waiting prompt's block hashes are
 computed once (`BlockManager.hashes_of`), and the scan stops where admission cannot go on.
 
-With a proposer (speculative decoding, chapter 09) a decoding sequence asks it for drafts and is scheduled
-with 1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room
-it decodes plainly). Once the model has verified them, `accept_draft` counts each accepted draft and
-`rollback` frees the blocks only rejected drafts wrote.
+The scheduler is called twice per step, as in vLLM v1:
+- `schedule()`, before the forward: picks the batch (`pick`, the policy above) and commits it: each scheduled
+  sequence's new tokens count as computed from now on (`ScheduledSeq.start` keeps where the step starts, what
+  the input builder lays out), and a sequence the step brings to its end holds the place of the token it will
+  sample (a pending token: nanoengine/engine/pending.py). So with overlap scheduling the next step can be
+  scheduled before this one's tokens are known.
+- `update(out, sample_seqs, tokens)`, after the forward: puts each sampled token in its place (with
+  speculation, the drafts the model's tokens keep and its own next token), caches the blocks they complete,
+  applies the stop rules token by token, frees finished sequences' blocks and rolls back the blocks only
+  rejected drafts wrote.
+
+With a speculator (speculative decoding, chapter 09) a decoding sequence gets drafts and is scheduled with
+1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room it
+decodes plainly); `update` asks the speculator which of them the model's tokens keep.
 """
 
 from __future__ import annotations
@@ -26,12 +36,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanoengine.config import SCHEDULING_POLICIES
+from nanoengine.engine import pending
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
 
 if TYPE_CHECKING:
-    from nanoengine.spec.ngram import Proposer
+    from nanoengine.spec import Speculator
 
 SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
@@ -41,6 +52,11 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     is_prefill: bool  # seq.is_prefill before this step
+    start: int = -1  # the first position the step computes (seq.num_computed_tokens when it was scheduled)
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
 
 
 @dataclass
@@ -52,15 +68,27 @@ class SchedulerOutput:
     # by preemption here; postprocess adds finished seqs'
     blocks_freed: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # set when the step is committed: the sequences it samples a token for (each brought to its end), in
+    # scheduled order, as its tokens come back (a verifying sequence's 1 + k in a row); and its number
+    sampled: list[Sequence] = field(default_factory=list)
+    step: int = 0
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` did with a step's tokens."""
+    appended: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the tokens put in place
+    finished: list[Sequence] = field(default_factory=list)  # by the stop rules
+    late_rows: int = 0  # sampled rows whose sequence had finished meanwhile (aborted; overlap: stopped)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
-                 proposer: Proposer | None = None) -> None:
+                 speculator: Speculator | None = None) -> None:
         """The engine's limits come from its plan: a step's token budget, the sequences running at once, the
         longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead");
-        `proposer`: speculative decoding's (None: off)."""
+        `speculator`: speculative decoding's (None: off)."""
         if policy not in SCHEDULING_POLICIES:
             raise InvalidValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.policy = policy
@@ -70,7 +98,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = set(eos_token_ids)
-        self.proposer = proposer
+        self.speculator = speculator
+        self.num_steps = 0  # steps committed
         # a sequence can never hold more tokens than the pool has slots (matters for max_tokens=None)
         self._max_len = min(self.max_model_len, block_manager.num_blocks * self.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -111,8 +140,23 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ before the forward
     def schedule(self) -> SchedulerOutput:
+        """This step's batch (`pick`), committed: its tokens count as computed, and each sequence it brings to
+        its end holds the place of the token it samples."""
+        out = self.pick()
+        out.step = self.num_steps
+        self.num_steps += 1
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens - len(seq.spec_token_ids)  # drafts: once kept
+            if seq.num_computed_tokens == seq.num_tokens:
+                pending.hold_place(seq)
+                out.sampled.append(seq)
+        return out
+
+    def pick(self) -> SchedulerOutput:
+        """Who runs this step and how many new tokens each (the policy; chapter 05's Exercise 5.2)."""
         bm = self.block_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -122,11 +166,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
-            if n == 0 or (seq.num_pending_tokens and self.ends_at_length(seq)):
+            n = min(seq.num_tokens - computed, budget)
+            if n == 0 or (seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            if self.proposer is not None:  # a decode verifies its drafts with it
+            if self.speculator is not None:  # a decode verifies its drafts with it
                 seq.spec_token_ids = self.drafts(seq, budget) if n == 1 and not seq.num_pending_tokens else []
                 n += len(seq.spec_token_ids)
                 if seq.spec_token_ids and not bm.can_allocate(seq, n):  # no room for them: plain decode
@@ -199,13 +243,13 @@ class Scheduler:
         return n
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposer's drafts for a decoding sequence: at most one fewer than the tokens it may still
+        """The speculator's drafts for a decoding sequence: at most one fewer than the tokens it may still
         grow by (the model adds one of its own) and than this step's budget left."""
         room = self._max_len - seq.num_tokens
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_completion_tokens)
-        return self.proposer.propose(seq.token_ids, min(room, budget) - 1)
+        return self.speculator.propose(seq.token_ids, min(room, budget) - 1)
 
     def _preempt(self, seq: Sequence) -> list[int]:
         """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""
@@ -217,79 +261,55 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return freed
 
-    # ------------------------------------------------------------------ after the forward pass
-    def postprocess(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
-        """Account the computed tokens, cache full blocks, append sampled tokens, apply the stop rules; return
-        the sequences that finished (the step's two halves, `advance` and `resolve`, one after the other).
-
-        `sampled` holds (sequence, new token) for every scheduled sequence that reached its last token this
-        step (the model runner's output); a token for a sequence still in the middle of a chunked prefill is
-        ignored. Blocks freed by finishing sequences are added to `out.blocks_freed`.
-        """
-        taken = self.advance(out, [seq for seq, _ in sampled])
-        return [sampled[i][0] for i in taken if self.resolve(sampled[i][0], sampled[i][1], out)]
-
-    def advance(self, out: SchedulerOutput, sample_seqs: list[Sequence]) -> list[int]:
-        """The step is launched: its tokens count as computed (their blocks fill and are cached), and every
-        sampled sequence that reached its end holds the place of its next token (`Sequence.append_pending`),
-        so the next step can be scheduled before this one's tokens are known. Returns the rows (indices into
-        `sample_seqs`) that hold a place; `resolve` each one's token once it is known."""
+    # ------------------------------------------------------------------ after the forward
+    def update(self, out: SchedulerOutput, tokens: list[int]) -> StepUpdate:
+        """The step's tokens are known: one for each sequence of `out.sampled`, in order (a speculating
+        sequence's 1 + k: the model's token at its last token and at each draft). Each one's new tokens take
+        their places, the blocks they complete are cached, and the stop rules apply token by token (a sequence
+        stops at the first: the rest are never appended; its blocks are freed into `out.blocks_freed`).
+        With speculation the speculator says which tokens a sequence keeps (its accepted drafts, whose K/V
+        this step computed, and the model's own next token), and the blocks past them are freed. A sequence
+        that finished meanwhile (aborted, or stopped by the token before: overlap) ignores its row."""
+        result = StepUpdate()
         bm, finished = self.block_manager, SequenceStatus.FINISHED
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.status is not finished:  # else: aborted between schedule() and now
-                before = seq.num_computed_tokens
-                # (drafts count once accepted: accept_draft)
-                seq.num_computed_tokens += s.num_new_tokens - len(seq.spec_token_ids)
-                if bm.fills_a_block(before, seq.num_computed_tokens):  # most decode steps fill none
-                    bm.cache_full_blocks(seq)
-        taken = []
-        for row, seq in enumerate(sample_seqs):
-            if seq.status is not finished and seq.num_computed_tokens == len(seq.token_ids):
-                seq.append_pending(row)
-                taken.append(row)
-        return taken
-
-    def resolve(self, seq: Sequence, token: int, out: SchedulerOutput | None = None) -> bool:
-        """The token a launched step sampled for `seq` is known: it takes its place, the block it completes
-        is cached, and the stop rules apply. True if that finished the sequence (its blocks are freed and
-        added to `out.blocks_freed`). A sequence that finished meanwhile (aborted, or stopped by the token
-        before: the step after it was launched before that was known) ignores it."""
-        if seq.status is SequenceStatus.FINISHED:
-            return False
-        seq.resolve(token)
-        known = seq.num_known_tokens
-        if self.block_manager.fills_a_block(known - 1, known):  # the token completes a block
-            self.block_manager.cache_full_blocks(seq)
-        reason, stop_reason = self._stop_reason(seq, token)
-        if reason is None:
-            return False
-        freed = self._finish(seq, reason, stop_reason)
-        if out is not None:
-            out.blocks_freed += freed
-        return True
-
-    def accept_draft(self, seq: Sequence) -> None:
-        """The token just resolved was a draft the model accepted: its K/V is in the cache already (the step
-        computed it), so it counts as computed, and the sequence holds the place of the next accepted token
-        (`resolve` it)."""
-        seq.num_computed_tokens += 1
-        seq.append_pending(0)
-
-    def rollback(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
-        """After a verification: free the blocks past seq's tokens, which only rejected drafts wrote (their
-        K/V slots in the last kept block are overwritten later). Blocks freed go to out.blocks_freed."""
-        seq.spec_token_ids = []
-        freed = self.block_manager.truncate(seq, seq.num_tokens)
-        if out is not None:
-            out.blocks_freed += freed
-
-    def ends_at_length(self, seq: Sequence) -> bool:
-        """Whatever its pending tokens turn out to be, they bring seq to its length limit (max_tokens or the
-        longest a sequence may grow): with overlap, such a sequence is not scheduled again."""
-        max_tokens = seq.sampling_params.max_tokens
-        return ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
-                or seq.num_tokens >= self._max_len)
+        drafted = 0 if self.speculator is None else sum(len(seq.spec_token_ids) for seq in out.sampled)
+        if len(tokens) != len(out.sampled) + drafted:
+            raise InvalidValueError(f"update: got {len(tokens)} tokens for a step that samples "
+                                    f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence of "
+                                    "out.sampled, in order")
+        i = 0
+        for seq in out.sampled:
+            drafts = seq.spec_token_ids
+            new = tokens[i:i + 1 + len(drafts)] if drafts else [tokens[i]]
+            i += len(new)
+            if seq.status is finished:
+                result.late_rows += len(new)
+                continue
+            if drafts:
+                new = self.speculator.verify(drafts, new)
+                seq.num_computed_tokens += len(new) - 1  # the kept drafts' K/V are in the cache
+            seq.num_pending_tokens -= 1
+            known = len(seq.token_ids)
+            taken = new
+            for n, token in enumerate(new, 1):
+                seq.token_ids.append(token)
+                reason, stop_reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    taken = new[:n]
+                    break
+            if bm.fills_a_block(known, len(seq.token_ids)):  # most decode tokens complete no block
+                bm.cache_full_blocks(seq)
+            if drafts:
+                self.speculator.counts.add(len(drafts), min(len(taken), len(new) - 1), len(taken), out.step,
+                                           seq.seq_id)
+                seq.spec_token_ids = []
+                if reason is None:
+                    out.blocks_freed += bm.truncate(seq, seq.num_tokens)  # only rejected drafts wrote them
+            result.appended.append((seq, taken))
+            if reason is not None:
+                out.blocks_freed += self._finish(seq, reason, stop_reason)
+                result.finished.append(seq)
+        return result
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, the stop token id that caused it) after `token` was appended;
@@ -308,10 +328,14 @@ class Scheduler:
             return "length", None
         return None, None
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
-        """Finish `seq` (e.g. its text reached a stop string): free its blocks and take it off the queues.
-        True if it was still running or waiting; a sequence the stop rules already finished in this step only
-        takes the new reason (a stop string wins over the length limit, as in vLLM)."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_dropped: int = 0) -> bool:
+        """Finish `seq` (e.g. its text reached a stop string): free its blocks and take it off the queues,
+        dropping its last `num_dropped` tokens (a verification's kept tokens after the one that completed a
+        stop string). True if it was still running or waiting; a sequence the stop rules already finished in
+        this step only takes the new reason (a stop string wins over the length limit, as in vLLM)."""
+        if num_dropped:
+            del seq.token_ids[-num_dropped:]
         if seq.is_finished:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             return False
@@ -328,7 +352,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> list[int]:
         seq.status = SequenceStatus.FINISHED
-        seq.drop_pending()  # tokens a step in flight samples past the end are never shown
+        seq.num_pending_tokens = 0  # tokens a step in flight samples past the end are never shown
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)

@@ -3,11 +3,11 @@
 Plain Python: token ids, how many of them already have their K/V in the cache
 (`num_computed_tokens`), the block table, and the sampling parameters.
 
-A step still running on the device (overlap scheduling, chapter 06) leaves a *pending* token at the end of
-`token_ids`: a placeholder `-(row + 1)` naming the row of that step's sampled tokens which will hold it, so
-the next step can be scheduled (and its input id read on the device) before the token is known on the host.
-`resolve(token)` puts the real token in its place. Pending tokens count for scheduling (`num_tokens`), never
-for what the user sees (`completion_token_ids`, `num_completion_tokens`) or for prefix-cache hashing.
+`token_ids` holds the tokens the host knows. A token sampled by a launched step whose result the host has not
+read yet (overlap scheduling, chapter 06) is *pending*: it is counted (`num_pending_tokens`, and so in
+`num_tokens`, which is what scheduling reads) but has no id here; the next step reads it on the device
+(nanoengine/engine/pending.py gathers every rule about pending tokens). Without overlap a token is pending only
+between the scheduler committing a step and the step's update, which puts it in place.
 
 Speculative decoding (chapter 09) keeps a step's drafted tokens apart, in `spec_token_ids`: they are computed
 with the step (1 + k new tokens) but are never in `token_ids` until the model accepted them, so nothing that
@@ -53,27 +53,25 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.num_preemptions = 0
-        self.num_pending_tokens = 0  # placeholders at the end of token_ids (steps in flight; 0..2)
+        self.num_pending_tokens = 0  # sampled by launched steps, ids not yet known here (0..2; pending.py)
         self.spec_token_ids: list[int] = []  # this step's drafts, verified after it (speculative decoding)
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the first one's prefill
         self.request_id: str | None = None
         self.index = 0  # which completion of its request (0..n-1)
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, tokens={len(self)}, computed={self.num_computed_tokens}, "
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"blocks={self.block_table}, {self.status.name})")
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its length as scheduling sees it: the known tokens and the pending ones."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose ids the host knows: all but the pending ones."""
-        return len(self.token_ids) - self.num_pending_tokens
+        """Tokens whose ids the host knows: all but the pending ones (`token_ids`)."""
+        return len(self.token_ids)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -85,7 +83,7 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
@@ -100,22 +98,3 @@ class Sequence:
     def block_tokens(self, i: int) -> list[int]:
         """Token ids held by logical block i."""
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
-    def append_pending(self, row: int) -> None:
-        """Hold the place of the token that row `row` of a step in flight samples."""
-        self.token_ids.append(-1 - row)
-        self.num_pending_tokens += 1
-
-    def resolve(self, token_id: int) -> None:
-        """The oldest pending token is `token_id` (steps finish in the order they were launched)."""
-        self.token_ids[len(self.token_ids) - self.num_pending_tokens] = token_id
-        self.num_pending_tokens -= 1
-
-    def drop_pending(self) -> None:
-        """Forget the pending tokens (the sequence finished: the steps in flight sampled past its end)."""
-        if self.num_pending_tokens:
-            del self.token_ids[-self.num_pending_tokens:]
-            self.num_pending_tokens = 0

@@ -30,7 +30,7 @@ PREFIX = ("You are a careful assistant. Answer in one short sentence, and say so
 PROMPTS = [PREFIX + "What is the capital of France?", PREFIX + "Why is the sky blue?",
            "def fibonacci(n):", PREFIX + "Name a prime number larger than ten."]
 # without overlap scheduling: the schedule is compared step by step, and with overlap the engine's own
-# scheduler skips a sequence whose pending token ends it (Scheduler.ends_at_length); exercise 5.2's does not
+# scheduler skips a sequence whose pending token ends it (pending.ends_at_length); exercise 5.2's does not
 WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8, block_size=16,
                 async_scheduling=False)
 MAX_TOKENS = 16

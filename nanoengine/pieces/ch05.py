@@ -2,8 +2,9 @@
 a Sampler that draws with your `sample` (with your filter chain).
 
 Your `schedule(sched)` already works on the engine's Scheduler state (its queues, budget and block manager),
-so the subclass only calls it; the engine then builds the inputs, runs the model and post-processes your
-SchedulerOutput as it does its own. The sampler hands your `sample` each row's parameters as lists (top-k
+so the subclass calls it as its `pick` (who runs and how many tokens each); the scheduler then commits your
+SchedulerOutput, and the engine builds the inputs, runs the model and updates the sequences as it does with its
+own. The sampler hands your `sample` each row's parameters as lists (top-k
 -1, top-p 1.0 and min-p 0.0 when a row does not filter) and the engine's generators.
 """
 
@@ -31,7 +32,7 @@ def scheduler_class(module: ModuleType, base: type[Scheduler] = Scheduler) -> ty
                     f"{self.policy!r} needs the engine's own scheduler (leave 'ch05' out of use_exercises, "
                     "or use scheduling_policy='fcfs')")
 
-        def schedule(self) -> SchedulerOutput:
+        def pick(self) -> SchedulerOutput:
             out = schedule(self)
             check_result(isinstance(out, SchedulerOutput), schedule,
                          f"a {type(out).__name__}; it must return a SchedulerOutput")

@@ -5,8 +5,10 @@ keep the longest accepted prefix plus the model's own next token.
 - `draft.py`: the draft-model proposer, a small model on an engine of its own;
 - `verify.py`: the acceptance rules (greedy: accept while the draft equals the model's token; sampling: the
   rejection-sampling rule) and the per-engine counts (acceptance rate, tokens per verification).
-The scheduler asks the proposer for drafts and gives each speculating sequence 1 + k tokens of the budget;
-the engine verifies them and the scheduler rolls back the blocks that only rejected drafts wrote.
+`Speculator` is what the scheduler holds (made by `make_speculator`): before a step it asks the proposer for
+a decoding sequence's drafts (and gives it 1 + k tokens of the budget); after the step, in its update, it
+asks which of them the model's tokens keep (`verify`, the acceptance rule, counted in `counts`), puts those
+in place, and rolls back the blocks that only rejected drafts wrote.
 """
 
 from __future__ import annotations
@@ -16,16 +18,48 @@ from typing import Any
 
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer, Proposer
+from nanoengine.spec.verify import SpecCounts, accepted_tokens
 
 
-def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
-                  ngram_class: type = NgramProposer,
-                  build_engine: Callable[..., Any] | None = None) -> Proposer | None:
-    """The proposer a SpeculativeConfig asks for (None without one): the n-gram lookup (`ngram_class`: the
-    engine's, or the learner's from chapter 09), or a draft model on an engine of its own (`draft.py`), which
-    `build_engine` (nanoengine.launch's) makes."""
+class Speculator:
+    """Speculative decoding's two steps, for the scheduler: drafts before the forward, the kept tokens after."""
+
+    def __init__(self, proposer: Proposer,
+                 accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens) -> None:
+        self.proposer = proposer
+        self.accept = accept  # drafts, the model's tokens at their k + 1 positions -> the tokens kept
+        self.counts = SpecCounts()  # what it did in the engine's life
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """At most max_tokens drafts to follow `token_ids`."""
+        return self.proposer.propose(token_ids, max_tokens)
+
+    def verify(self, drafts: list[int], verified: list[int]) -> list[int]:
+        """The tokens a sequence keeps: the drafts the model's tokens at their k + 1 positions (`verified`)
+        accept, then the model's own token (1 to k + 1 tokens)."""
+        return self.accept(drafts, verified)
+
+    def close(self) -> None:
+        """Stop a draft model's engine, if the proposer has one."""
+        if hasattr(self.proposer, "close"):
+            self.proposer.close()
+
+
+def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int, ngram_class: type = NgramProposer,
+                    accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens,
+                    build_engine: Callable[..., Any] | None = None) -> Speculator | None:
+    """The Speculator a SpeculativeConfig asks for (None without one), with `accept` (the engine's rule, or the
+    learner's from chapter 09) and its proposer (`make_proposer`)."""
     if spec is None:
         return None
+    return Speculator(make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine), accept)
+
+
+def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int, ngram_class: type = NgramProposer,
+                  build_engine: Callable[..., Any] | None = None) -> Proposer:
+    """The proposer a SpeculativeConfig asks for: the n-gram lookup (`ngram_class`: the engine's, or the
+    learner's from chapter 09), or a draft model on an engine of its own (`draft.py`), which `build_engine`
+    (nanoengine.launch's) makes."""
     if spec.method == "draft_model":
         from nanoengine.spec.draft import DraftModelProposer
 

@@ -58,13 +58,12 @@ def engine_batches() -> tuple:
             if out.scheduled:
                 batch = copy.deepcopy(out.scheduled)
                 batches.append((batch, bs, InputBuilder(bs).build(batch).inputs))
-            sched.postprocess(out, [(s.seq, rng.randrange(10, 1000)) for s in out.scheduled
-                                    if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens])
+            sched.update(out, [rng.randrange(10, 1000) for _ in out.sampled])
     return tuple(batches)
 
 
 def describe(batch) -> str:
-    return "; ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from position {s.seq.num_computed_tokens} "
+    return "; ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from position {s.start} "
                      f"(cached {s.seq.num_cached_tokens}, table {s.seq.block_table})" for s in batch)
 
 
@@ -81,8 +80,11 @@ def variant_slots(batch, bs: int, mode: str) -> list[int]:
     slots = []
     for group in groups(batch, mode):
         for s in group:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, (s.seq.num_computed_tokens if mode == "computed_as_start" else s.start)
             for p in range(start, start + s.num_new_tokens):
+                if p // bs >= len(seq.block_table):  # (computed_as_start: past the blocks the step has)
+                    slots.append(-2)
+                    continue
                 slot = seq.block_table[p // bs] * bs + p % bs
                 if mode == "chunk_positions":
                     q = p - start
@@ -98,7 +100,9 @@ SLOT_MISTAKES = {
     "is_prefill": "grouping by is_prefill: group by num_new_tokens == 1 (a prompt that hit the prefix cache up "
                   "to its last token computes one token and is laid out as a decode)",
     "chunk_positions": "counting positions from the start of the chunk: position p is the token's index in its "
-                       "sequence, from seq.num_computed_tokens",
+                       "sequence, from s.start",
+    "computed_as_start": "starting from seq.num_computed_tokens: the scheduler has already counted this step's "
+                         "tokens there when the batch is laid out; the step starts at s.start",
 }
 
 
@@ -145,7 +149,7 @@ def variant_meta(batch, bs: int, mode: str) -> dict:
     decodes, prefills = groups(batch)
     want = metadata_fields(InputBuilder(bs).build(batch).inputs.attn)
     if mode == "context_without_new" and decodes:
-        want["decode_context_lens"] = ([s.seq.num_computed_tokens for s in decodes], torch.int64)
+        want["decode_context_lens"] = ([s.start for s in decodes], torch.int64)
     elif mode == "context_is_chunk":
         want["prefill_context_lens"] = [s.num_new_tokens for s in prefills]
     elif mode == "starts_from_zero":
@@ -159,9 +163,9 @@ def variant_meta(batch, bs: int, mode: str) -> dict:
 
 META_MISTAKES = {
     "context_without_new": "leaving the new token out of a decode's context length: it attends over "
-                           "num_computed_tokens + 1 tokens, itself included",
+                           "start + 1 tokens, itself included",
     "context_is_chunk": "giving a prefill chunk only its own length as context: it also attends over the cached "
-                        "prefix, context = num_computed_tokens + num_new_tokens",
+                        "prefix, context = start + num_new_tokens",
     "starts_from_zero": "counting the prefill query starts from row 0: the decode rows come first, so the first "
                         "chunk starts at row num_decode_seqs",
 }

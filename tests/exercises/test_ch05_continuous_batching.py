@@ -69,10 +69,9 @@ class Workload:
                 sched.add(s)
 
 
-def sampled_of(out: SchedulerOutput, rng: random.Random) -> list[tuple[Sequence, int]]:
-    """A token for every scheduled sequence that reaches its last token (what the model runner returns)."""
-    return [(s.seq, EOS if rng.random() < 0.08 else rng.randrange(10, 1000)) for s in out.scheduled
-            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+def tokens_of(out: SchedulerOutput, rng: random.Random) -> list[int]:
+    """A token for every sequence the step samples (out.sampled: what the model runner returns)."""
+    return [EOS if rng.random() < 0.08 else rng.randrange(10, 1000) for _ in out.sampled]
 
 
 def plan(out: SchedulerOutput) -> dict:
@@ -266,16 +265,16 @@ def drive(sched: Scheduler, wl: Workload, steps: int, rng: random.Random, on_ste
         out = sched.schedule()
         admitted = [any(s is x.seq for x in out.scheduled) for s in order]
         seen["preempted"] += bool(out.preempted)
-        seen["chunked"] += any(s.is_prefill and s.seq.num_computed_tokens + s.num_new_tokens < s.seq.num_tokens
+        seen["chunked"] += any(s.is_prefill and s.start + s.num_new_tokens < len(s.seq.token_ids)
                                for s in out.scheduled)
         seen["hits"] += sum(h > 0 for _, h in out.cache_hits)
         seen["full_hits"] += sum(1 for s in out.scheduled if s.is_prefill and s.num_new_tokens == 1
-                                 and s.seq.num_cached_tokens == s.seq.num_tokens)
+                                 and s.seq.num_cached_tokens == len(s.seq.token_ids))
         seen["siblings_waited"] += any(sib and not adm for sib, adm in zip(sibling, admitted))
         # a waiting request that did not fit, with later ones left waiting behind it (first come, first served)
         seen["blocked_waiting"] += any(not admitted[a] and not sibling[a] and not all(admitted[a + 1:])
                                        for a in range(len(order) - 1)) and not out.preempted
-        sched.postprocess(out, sampled_of(out, rng))
+        sched.update(out, tokens_of(out, rng))
     return seen
 
 
@@ -339,7 +338,7 @@ def test_5_2_schedule_matches_the_engine_step_by_step(ex):
 
         def on_step(step, state, seed=seed, skipping_differs=skipping_differs):
             engine, yours = copy.deepcopy(state), copy.deepcopy(state)
-            want = {**plan(engine.schedule()), **snapshot(engine)}
+            want = {**plan(engine.pick()), **snapshot(engine)}  # the policy, before the step is committed
             if step % 4 == 0:  # the variants below come from ref_schedule: keep it equal to the engine
                 reference = copy.deepcopy(state)
                 ref = {**plan(ref_schedule(reference)), **snapshot(reference)}
@@ -371,14 +370,16 @@ FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", 
 
 def engine_flat(scheduled, builder: InputBuilder) -> dict:
     inp, sample_seqs = builder.build(scheduled)
+    # (the engine hands its sampled rows over in scheduled order; the exercise lists them in row order)
+    sampled = sorted(zip(inp.sample_rows.tolist(), [s.seq_id for s in sample_seqs]))
     a = inp.attn
     return {"input_ids": inp.input_ids.tolist(), "positions": inp.positions.tolist(),
             "slot_mapping": a.slot_mapping.tolist(),
             "decode_block_tables": a.decode_block_tables.tolist() if a.decode_block_tables is not None else [],
             "decode_context_lens": a.decode_context_lens.tolist() if a.decode_context_lens is not None else [],
             "prefill_query_starts": list(a.prefill_query_starts), "prefill_query_lens": list(a.prefill_query_lens),
-            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": inp.sample_rows.tolist(),
-            "sample_seq_ids": [s.seq_id for s in sample_seqs]}
+            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": [r for r, _ in sampled],
+            "sample_seq_ids": [i for _, i in sampled]}
 
 
 def variant_flat(scheduled, bs: int, mode: str) -> dict:
@@ -395,7 +396,7 @@ def variant_flat(scheduled, bs: int, mode: str) -> dict:
     f = {k: [] for k in FLAT_FIELDS}
     for group in ((prefills, decodes) if mode == "prefills_first" else (decodes, prefills)):
         for s in group:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, start, n = s.seq, s.start, s.num_new_tokens
             if group is prefills:
                 f["prefill_query_starts"].append(len(f["input_ids"]))
                 f["prefill_query_lens"].append(n)
@@ -406,13 +407,12 @@ def variant_flat(scheduled, bs: int, mode: str) -> dict:
                 slot = seq.block_table[pos // bs] * bs + pos % bs
                 cached = pos < seq.num_cached_tokens and mode != "write_cached"
                 f["slot_mapping"].append(-1 if cached else slot)
-            if start + n == seq.num_tokens or mode == "sample_every_chunk":
+            if start + n == len(seq.token_ids) or mode == "sample_every_chunk":
                 f["sample_rows"].append(len(f["input_ids"]) - 1)
                 f["sample_seq_ids"].append(seq.seq_id)
     width = max((len(s.seq.block_table) for s in decodes), default=0)
     f["decode_block_tables"] = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-    f["decode_context_lens"] = [s.seq.num_computed_tokens + (0 if mode == "context_without_new" else 1)
-                                for s in decodes]
+    f["decode_context_lens"] = [s.start + (0 if mode == "context_without_new" else 1) for s in decodes]
     return f
 
 
@@ -455,15 +455,16 @@ def test_5_3_build_inputs_matches_the_input_builder(ex):
                 flat = ex.build_inputs(list(out.scheduled), bs)
                 got = {k: [list(r) for r in getattr(flat, k)] if k == "decode_block_tables" else list(getattr(flat, k))
                        for k in FLAT_FIELDS}
-                batch = ", ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from {s.seq.num_computed_tokens} "
-                                  f"(of {s.seq.num_tokens}, cached {s.seq.num_cached_tokens})" for s in out.scheduled)
+                batch = ", ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from {s.start} "
+                                  f"(of {len(s.seq.token_ids)}, cached {s.seq.num_cached_tokens})"
+                                  for s in out.scheduled)
                 verdict.step(got, want, lambda mode, sc=out.scheduled, bs=bs: variant_flat(sc, bs, mode),
                              first_difference(got, want), f"build_inputs at step {step} [batch: {batch}]")
                 counts["decodes"] += bool(want["decode_context_lens"])
                 counts["chunks"] += bool(want["prefill_query_lens"])
                 counts["minus_one"] += -1 in want["slot_mapping"]
                 counts["one_token_prefill"] += any(s.is_prefill and s.num_new_tokens == 1 for s in out.scheduled)
-            sched.postprocess(out, sampled_of(out, rng))
+            sched.update(out, tokens_of(out, rng))
         verdict.check(where)
     assert all(counts.values()), f"the workloads should cover every layout case: {counts}"
 

@@ -156,7 +156,8 @@ def decode_steps(llm: LLM, lengths=(14, 3, 9, 5, 11, 7)):
         inp, sample_seqs = eng.inputs.build(out.scheduled)
         if inp.is_decode_only:
             yield inp
-        eng.scheduler.postprocess(out, eng.next_tokens(inp, sample_seqs))
+        forward = eng.executor.launch(inp, eng.sampling.batch(sample_seqs))
+        eng.scheduler.update(out, forward.tokens())
     for rid in rids:
         eng.abort(rid)
 

@@ -1,0 +1,64 @@
+"""What an engine step is while it runs and what it gives back. Chapters 05 and 06.
+
+- `LaunchedStep`: a step the engine has scheduled and started: its SchedulerOutput, the executor's
+  `ForwardOutput` (the tokens on the device, then on the host), and when each part of the launch happened
+  (`StepTimes`). With overlap scheduling one is in flight while the next launches.
+- `StepResult`: what `LLMEngine.step()` returns for the step it finished: the text deltas, the tokens each
+  sequence got, the requests that finished, and the step's `StepStats`. `LLM`, the server and the benchmarks
+  read this instead of the engine's attributes.
+- `EngineLoad`: how busy the engine is between steps (what a server's queue limit and metrics read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from nanoengine.engine.executor import ForwardOutput
+    from nanoengine.engine.request import Request
+    from nanoengine.engine.scheduler import SchedulerOutput
+    from nanoengine.engine.sequence import Sequence
+    from nanoengine.trace import StepStats
+
+
+class StepTimes(NamedTuple):
+    """perf_counter readings of one step's launch."""
+    started: float  # scheduling began
+    scheduled: float  # the scheduler returned (and committed the step)
+    built: float  # its inputs and sampling parameters were laid out
+    launched: float  # the executor returned (the forward runs on, or has run)
+
+
+@dataclass
+class LaunchedStep:
+    scheduled: SchedulerOutput
+    forward: ForwardOutput | None  # None: nothing was scheduled
+    times: StepTimes
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing the scheduler did (a step that ran nothing but preempted is a step)."""
+        return self.forward is None and not self.scheduled.preempted
+
+
+class TextDelta(NamedTuple):
+    request: Request
+    index: int  # which completion of the request
+    text: str
+
+
+@dataclass
+class StepResult:
+    """One finished step's outcome; `stats` is None when a call finished no step (overlap's first)."""
+    deltas: list[TextDelta] = field(default_factory=list)  # new text, for every token that made some
+    sampled: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the tokens each sequence got
+    finished: list[Request] = field(default_factory=list)  # the requests whose last completion ended here
+    stats: StepStats | None = None
+
+
+class EngineLoad(NamedTuple):
+    num_running: int  # sequences running (scheduled in the last step or decoding)
+    num_waiting: int  # sequences queued or preempted
+    num_used_blocks: int
+    num_blocks: int
