@@ -51,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from nanoengine.config import EngineConfig
 from nanoengine.distributed import launcher
+from nanoengine.distributed.exits import exit_status
 from nanoengine.errors import InvalidValueError
 from nanoengine.flags import engine_flags
 from nanoengine.serve.limits import ServerLimits
@@ -72,16 +73,6 @@ REPLICA_HEADER = "x-nanoengine-replica"
 POLL_S = 0.2  # how often the front end looks for replicas that exited
 EXIT_WAIT_S = 2.0  # after a broken connection, how long to wait for its replica's exit to show
 PASSED_ON = ("retry-after", "www-authenticate")  # response headers of a replica's error kept for the client
-
-
-def exit_status(returncode: int) -> str:
-    """How a process ended, in words: 'exited with status 1', 'was killed by signal 9 (SIGKILL)'."""
-    if returncode >= 0:
-        return f"exited with status {returncode}"
-    try:
-        return f"was killed by signal {-returncode} ({signal.Signals(-returncode).name})"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
 
 
 class Replica:
