@@ -141,8 +141,10 @@ class DataParallelServer:
             r.wait_listening()
         configs = set()
         for r in self.replicas:
-            info = httpx.get(f"{r.url}/server_info", headers=self._auth, timeout=30).json()
-            configs.add((info["block_size"], info["max_num_seqs"]))
+            got = httpx.get(f"{r.url}/server_info", headers=self._auth, timeout=30)
+            if got.status_code != 200:
+                raise RuntimeError(f"{r.name} answered GET /server_info with {got.status_code}: {got.text}")
+            configs.add((got.json()["block_size"], got.json()["max_num_seqs"]))
         if len(configs) != 1:
             raise RuntimeError(f"the replicas report different KV block or batch sizes: {sorted(configs)}")
         self.block_size, self.max_num_seqs = next(iter(configs))
