@@ -3,7 +3,7 @@
 Every mistake in what a user passes (an engine option, sampling parameters, a prompt, chat messages, a
 checkpoint) raises one of these, with a message that names the parameter, tensor or file, the value, and what
 is allowed. They subclass ValueError or TypeError, so code written for vLLM (`except ValueError`) keeps
-working.
+working. `WorkerError` is not an input error: a tensor-parallel worker failed (a RuntimeError).
 """
 
 from __future__ import annotations
@@ -37,3 +37,7 @@ class ExerciseError(NanoengineError):
 
 class ExerciseNotDoneError(ExerciseError, NotImplementedError):
     """A piece asked for with `use_exercises` is still the untouched stub of its exercise."""
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker raised, exited or was killed; the message carries its traceback or its end."""

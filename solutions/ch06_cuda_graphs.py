@@ -88,8 +88,8 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
 class StandInGraphs:
     """Exercise 6.3: one recorded forward per bucket over static buffers, replayed on them.
 
-    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (plan the
-    attention, run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was
+    `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (prepare
+    the attention, run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was
     captured, so:
     - __init__ allocates the static buffers once, sized for the largest bucket: the five of exercise 6.2
       (slot_mapping filled with -1) in `self.bufs`, and `self.out` [max_bucket, hidden_size] of `dtype`;

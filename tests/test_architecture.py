@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,15 @@ def test_the_config_and_the_plan_name_no_chapter_and_read_no_global_state(module
     assert not [c for c in ("ch02", "ch03", "ch04", "ch05", "ch06", "ch07") if c in source]
     assert "_default" not in source and "global " not in source
     assert "nanoengine.engine" not in " ".join(GRAPH[module])
+
+
+def test_the_data_parallel_front_end_loads_no_torch():
+    """The front end only forwards HTTP; its replicas load the engine (gpus_for imports torch when called)."""
+    code = ("import sys, nanoengine.serve.data_parallel, nanoengine.distributed.exits; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_chapter_selection_imports_nothing_from_the_engine():

@@ -1,7 +1,7 @@
 """Paged attention (torch backend, the CPU backend's C++ decode kernel, the Triton backend's kernels under the
 interpreter on CPU) == dense causal attention, for prefill with and without a cached prefix and for batched
-decode, with ragged lengths and scattered blocks; and a plan made once by the runner == each layer planning
-for itself. `make_batch` builds such a step; tests/test_triton_kernels.py reuses it."""
+decode, with ragged lengths and scattered blocks; and a step prepared once by the runner == each layer
+preparing for itself. `make_batch` builds such a step; tests/test_triton_kernels.py reuses it."""
 
 from __future__ import annotations
 
@@ -147,22 +147,22 @@ def expected_outputs(batch):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128), (6, 2, 32)])
 @pytest.mark.parametrize("grouped_prefill", [True, False])
-@pytest.mark.parametrize("planned", [True, False], ids=["planned_once", "layer_plans"])
-def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, planned,
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared_once", "layer_prepares"])
+def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, prepared,
                             monkeypatch, request):
     if backend == "cpu":
         request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
     if backend == "triton":
-        if not grouped_prefill or not planned:  # the interpreter is slow: only the variants that concern it
-            pytest.skip("the torch backend's prefill variants and per-layer planning are tested on torch")
+        if not grouped_prefill or not prepared:  # the interpreter is slow: only the variants that concern it
+            pytest.skip("the torch backend's prefill variants and per-layer preparing are tested on torch")
         request.getfixturevalue("triton_kernels")  # the interpreter on CPU; skips without triton
     if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
         monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
     gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     b = make_batch(backend, SEQS, num_heads, num_kv_heads, head_dim, block_size, gen, device=device)
-    if planned:  # as the model runner does once per step; without it each layer plans for itself
-        b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
+    if prepared:  # as the model runner does once per step; without it each layer prepares for itself
+        b.meta.prepared = b.attn.prepare(b.meta, b.attn.k_cache.shape)
     out = b.attn(b.q, b.k, b.v, b.meta).cpu()
     assert out.shape == b.q.shape
     want = expected_outputs(b)

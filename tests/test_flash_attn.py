@@ -72,7 +72,7 @@ def test_flash_attn_plumbing_with_a_stand_in_for_flash_attn(num_heads, num_kv_he
     gen = torch.Generator().manual_seed(num_heads)
     seqs = SEQS + [(300, 256), (512, 511)]
     b = make_batch("flash_attn", seqs, num_heads, num_kv_heads, head_dim, 256, gen, num_blocks=16)
-    b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
+    b.meta.prepared = b.attn.prepare(b.meta, b.attn.k_cache.shape)
     out = b.attn(b.q, b.k, b.v, b.meta)
     torch.testing.assert_close(out.double(), expected_outputs(b), atol=1e-5, rtol=1e-5)
     flat_k = heads_first_view("flash_attn", b.attn.k_cache).reshape(num_kv_heads, -1, head_dim)
@@ -95,7 +95,7 @@ def test_flash_attn_step_equals_dense_attention(flash_attn, dtype, num_heads, nu
     seqs = SEQS + [(300, 256), (512, 511)]  # a chunk after a whole block; a fully cached 2-block prompt
     b = make_batch("flash_attn", seqs, num_heads, num_kv_heads, head_dim, 256, gen, num_blocks=16,
                    dtype=dtype, device="cuda")
-    b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
+    b.meta.prepared = b.attn.prepare(b.meta, b.attn.k_cache.shape)
     out = b.attn(b.q, b.k, b.v, b.meta)
     torch.testing.assert_close(out.cpu().double(), expected_outputs(b), atol=1e-2, rtol=1.6e-2)
     flat_k = heads_first_view("flash_attn", b.attn.k_cache).reshape(num_kv_heads, -1, head_dim)

@@ -55,7 +55,7 @@ def test_layout_slots_and_sampled_rows():
             and [t.tolist() for t in meta.prefill_block_tables] == [[1, 5, 6], [2, 4]])
     # every sequence that reaches its last token is sampled, at its last row; the half-done chunk is not
     assert inp.sample_rows.tolist() == [0, 1, 11] and sample_seqs == [decoding, hit, tail]
-    assert meta.plan is None  # planning is the attention backend's, once per step in the model runner
+    assert meta.prepared is None  # preparing is the attention backend's, once per step in the model runner
 
 
 def test_decode_only_batch_is_fixed_width():

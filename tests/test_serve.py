@@ -40,6 +40,20 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
+def test_server_info_is_the_engine_plan_as_json(server, offline):
+    """GET /server_info (vLLM's route): what the engine was planned with; the data-parallel front end reads
+    its replicas' block size here."""
+    r = httpx.get(f"{server.url}/server_info")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    info, plan = r.json(), offline.plan
+    assert info["model"] == MODEL and info["num_kv_blocks"] == 512  # serve_proc's --num-kvcache-blocks
+    for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "enable_prefix_caching", "device", "dtype", "attention_backend", "tensor_parallel_size",
+                 "async_scheduling", "quantization"):
+        assert info[name] == getattr(plan, name), name
+    assert info["max_model_len"] == 1024 and info["decode_mode"] == plan.decode_mode.value
+
+
 def test_completion_and_chat_match_offline_llm(server, offline):
     from nanoengine import SamplingParams
 
@@ -286,11 +300,11 @@ def test_bench_url_refuses_what_it_would_ignore(capsys):
 
 
 def test_an_api_key_guards_every_v1_route_and_health_stays_open():
-    """With api_key, /v1/* (and /metrics with protect_metrics) answer 401 in OpenAI's format without the
-    right `Authorization: Bearer` header (before the body is looked at), and serve with it."""
+    """With api_key, /v1/* and /server_info (and /metrics with protect_metrics) answer 401 in OpenAI's format
+    without the right `Authorization: Bearer` header (before the body is looked at), and serve with it."""
+    from nanoengine.serve.http import is_loopback
     from nanoengine.serve.protocol import ProtocolError
     from nanoengine.serve.server import Server as InProcess
-    from nanoengine.serve.server import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.7") and not is_loopback("example.org")
@@ -307,6 +321,7 @@ def test_an_api_key_guards_every_v1_route_and_health_stays_open():
         assert httpx.get(f"{base}/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             for method, path, body in (("GET", "/v1/models", None), ("GET", "/metrics", None),
+                                       ("GET", "/server_info", None),
                                        ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}),
                                        ("POST", "/v1/chat/completions", {"bad": "body"})):
                 r = httpx.request(method, base + path, json=body, headers=headers)
@@ -316,6 +331,8 @@ def test_an_api_key_guards_every_v1_route_and_health_stays_open():
                 assert r.headers["WWW-Authenticate"] == "Bearer"
         assert httpx.get(f"{base}/v1/models", headers=good).status_code == 200
         assert httpx.get(f"{base}/metrics", headers=good).status_code == 200
+        info = httpx.get(f"{base}/server_info", headers=good)
+        assert info.status_code == 200 and info.json()["max_model_len"] == 256, info.text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0, timeout=60)

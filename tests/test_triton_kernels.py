@@ -132,7 +132,7 @@ def test_backend_step_equals_dense_attention(dtype, num_heads, num_kv_heads, hea
     b.attn.v_cache[:, table[(n - 1) // block_size], (n - 1) % block_size] = v_full[n - 1].to(DEVICE)
     b.meta.slot_mapping[row] = -1
     b.k[row], b.v[row] = 1e4, -1e4
-    b.meta.plan = b.attn.plan(b.meta, b.attn.k_cache.shape)
+    b.meta.prepared = b.attn.prepare(b.meta, b.attn.k_cache.shape)
     out = b.attn(b.q, b.k, b.v, b.meta)
     assert out.dtype == dtype and out.shape == b.q.shape
     assert_matches(out, expected_outputs(b), "triton backend step")

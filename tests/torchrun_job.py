@@ -11,7 +11,7 @@ import time
 from tp_workload import GREEDY, PROMPTS, TORCHRUN_OPTIONS
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.distributed.workers import WorkerError
+from nanoengine.errors import WorkerError
 
 
 def fail_on_rank_1(runner):

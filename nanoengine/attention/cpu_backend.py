@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanoengine.attention.metadata import AttentionMetadata
-from nanoengine.attention.torch_backend import TorchAttention, TorchPlan
+from nanoengine.attention.torch_backend import TorchAttention, TorchPrep
 from nanoengine.kernels import cpu as cpu_kernels
 
 
@@ -26,11 +26,11 @@ class CPUAttention(TorchAttention):
         self.kernels = cpu_kernels.load()
 
     @classmethod
-    def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
+    def prepare(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPrep:
         """Only the store rows: the kernel reads the block tables itself."""
-        return TorchPlan.for_store(meta.slot_mapping, kv_cache_shape)
+        return TorchPrep.for_store(meta.slot_mapping, kv_cache_shape)
 
-    def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, meta: AttentionMetadata, prep: TorchPrep) -> torch.Tensor:
         # q [B, num_heads, head_dim] -> [B, num_heads, head_dim]
         return self.kernels.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
                                          meta.decode_context_lens, self.scale)

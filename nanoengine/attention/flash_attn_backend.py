@@ -11,9 +11,10 @@
   than keys, causal=True aligns the mask to the bottom right, which is the mask shifted by the cached prefix;
 - decode: `flash_attn_with_kvcache` with q [B, 1, num_heads, head_dim], cache_seqlens = context lengths
   (the new token included, already stored) and the padded block tables.
-flash-attn wants int32 lengths and tables: `plan` converts them once per step. A sequence with no new tokens
-never reaches attention here: the scheduler always recomputes a fully cached prompt's last token (nano-vllm
-crashed on such a prompt of an exact multiple of the block size, sending flash-attn a zero-length chunk).
+flash-attn wants int32 lengths and tables: `prepare` converts them once per step. A sequence with no new
+tokens never reaches attention here: the scheduler always recomputes a fully cached prompt's last token
+(nano-vllm crashed on such a prompt of an exact multiple of the block size, sending flash-attn a zero-length
+chunk).
 
 `problem()` says whether flash-attn imports here, without the caller importing it.
 """
@@ -26,7 +27,7 @@ from functools import cache, partial
 import torch
 
 from nanoengine.attention.base import AttentionBackend
-from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
+from nanoengine.attention.metadata import AttentionMetadata, AttentionPrep
 from nanoengine.attention.torch_backend import prompts_without_cache, self_attention
 
 
@@ -41,7 +42,7 @@ def problem() -> str | None:
 
 
 @dataclass
-class FlashAttnPlan(AttentionPlan):
+class FlashAttnPrep(AttentionPrep):
     """What every layer of one step reuses: flash-attn's int32 lengths and tables."""
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32
@@ -63,7 +64,7 @@ def heads_first(cache: torch.Tensor) -> torch.Tensor:
 
 class FlashAttnAttention(AttentionBackend):
     name = "flash_attn"
-    cuda_graphs = True  # plan converts device tensors on the device; the prefill's cumulative lengths come
+    cuda_graphs = True  # prepare converts device tensors on the device; the prefill's cumulative lengths come
     # from host lists, but a graph only records decode steps
     kv_cache_shape = staticmethod(kv_cache_shape)
 
@@ -77,7 +78,7 @@ class FlashAttnAttention(AttentionBackend):
         self.store_kv = store_kv
 
     @classmethod
-    def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> FlashAttnPlan:
+    def prepare(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> FlashAttnPrep:
         from nanoengine.attention.triton_backend import padded_tables
 
         device = meta.slot_mapping.device
@@ -86,7 +87,7 @@ class FlashAttnAttention(AttentionBackend):
             return torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
         nd = meta.num_decode_seqs
-        p = FlashAttnPlan(meta.decode_block_tables.int() if nd else None,
+        p = FlashAttnPrep(meta.decode_block_tables.int() if nd else None,
                           meta.decode_context_lens.int() if nd else None,
                           max(meta.prefill_query_lens, default=0), max(meta.prefill_context_lens, default=0))
         if p.max_seqlen_q:
@@ -100,7 +101,9 @@ class FlashAttnAttention(AttentionBackend):
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
             return prompts_without_cache(q, k, v, meta, partial(self_attention, scale=self.scale))
-        p = meta.plan if isinstance(meta.plan, FlashAttnPlan) else self.plan(meta, self.k_cache.shape)
+        p = meta.prepared
+        if not isinstance(p, FlashAttnPrep):  # metadata built by hand: prepare here
+            p = self.prepare(meta, self.k_cache.shape)
         self.store_kv(k, v, heads_first(self.k_cache), heads_first(self.v_cache), meta.slot_mapping)
         nd = meta.num_decode_seqs
         out = torch.empty_like(q)

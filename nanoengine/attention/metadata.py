@@ -2,7 +2,8 @@
 
 The batch is laid out decode sequences first (one query token each), then prefill sequences (one or more
 new tokens each, possibly after a cached prefix). Token i of the flat batch belongs to one sequence.
-`engine/inputs.py` builds it; the runner asks the backend to `plan` it once per step, before the forward.
+`engine/inputs.py` builds it; the runner asks the backend to `prepare` for it once per step, before the
+forward.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
-class AttentionPlan:
+class AttentionPrep:
     """What a backend derives from one step's metadata before the forward (index tensors, masks) and every
-    layer then reads: each backend's `plan(meta, kv_cache_shape)` returns its own subclass."""
+    layer then reads: each backend's `prepare(meta, kv_cache_shape)` returns its own subclass."""
 
 
 @dataclass
@@ -31,12 +32,12 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # cached prefix + new tokens
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_seq] int64
     block_size: int = 16
-    # set by the model runner once per step (backend.plan); metadata built by hand (tests, the book) may
-    # leave it None, and each layer then plans for itself
-    plan: AttentionPlan | None = None
+    # set by the model runner once per step (backend.prepare); metadata built by hand (tests, the book) may
+    # leave it None, and each layer then prepares for itself
+    prepared: AttentionPrep | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionMetadata:
-        """The metadata with its tensors on `device` (its plan is made there, per step)."""
+        """The metadata with its tensors on `device` (its step's preparation is made there, per step)."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
@@ -44,4 +45,4 @@ class AttentionMetadata:
                                    decode_block_tables=move(self.decode_block_tables),
                                    decode_context_lens=move(self.decode_context_lens),
                                    prefill_block_tables=[move(t) for t in self.prefill_block_tables],
-                                   plan=None)
+                                   prepared=None)

@@ -7,8 +7,8 @@ writing go through flat 2-D views of it, so each copy moves whole contiguous row
   batch's block tables for every head gives [num_kv_heads, batch, tokens, head_dim] with no further copy,
   which is what the grouped-query matmuls want. (On CPU, `index_select` along dim 0 of a 2-D tensor is a
   row memcpy; along dim 1 of the 4-D cache it is not, and is slower.)
-The row indices and the decode length mask depend only on the batch: `TorchAttention.plan` computes them
-once per step (the runner calls it before the forward) and every layer reads them from `meta.plan`.
+The row indices and the decode length mask depend only on the batch: `TorchAttention.prepare` computes them
+once per step (the runner calls it before the forward) and every layer reads them from `meta.prepared`.
 Decode: one gather for the whole batch, scores in fp32, length mask, softmax, matmul with V.
 Prefill: per sequence, attend over (cached prefix + new tokens) with a causal mask shifted by the prefix.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine.attention.base import AttentionBackend
-from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
+from nanoengine.attention.metadata import AttentionMetadata, AttentionPrep
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -60,7 +60,7 @@ def decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor,
 
 
 @dataclass
-class TorchPlan(AttentionPlan):
+class TorchPrep(AttentionPrep):
     """What every layer of one step reuses: store rows, and the decode gather rows and mask."""
     store_tokens: torch.Tensor | None
     store_rows: torch.Tensor
@@ -68,7 +68,7 @@ class TorchPlan(AttentionPlan):
     decode_mask: torch.Tensor | None = None
 
     @classmethod
-    def for_store(cls, slot_mapping: torch.Tensor, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
+    def for_store(cls, slot_mapping: torch.Tensor, kv_cache_shape: tuple[int, ...]) -> TorchPrep:
         return cls(*store_index(slot_mapping, kv_cache_shape))
 
 
@@ -180,9 +180,9 @@ class TorchAttention(AttentionBackend):
     kv_cache_shape = staticmethod(kv_cache_shape)
 
     @classmethod
-    def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPlan:
+    def prepare(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TorchPrep:
         """The store rows and (with decodes) the gather rows and length mask of one step, for every layer."""
-        p = TorchPlan.for_store(meta.slot_mapping, kv_cache_shape)
+        p = TorchPrep.for_store(meta.slot_mapping, kv_cache_shape)
         if meta.num_decode_seqs:
             p.decode_rows, p.decode_mask = decode_index(meta.decode_block_tables, meta.decode_context_lens,
                                                         kv_cache_shape)
@@ -194,7 +194,7 @@ class TorchAttention(AttentionBackend):
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens
             return prompts_without_cache(q, k, v, meta, self.prompt_attention)
         out = torch.empty_like(q)
-        p = meta.plan if meta.plan is not None else self.plan(meta, self.k_cache.shape)
+        p = meta.prepared if meta.prepared is not None else self.prepare(meta, self.k_cache.shape)
         self.store(k, v, meta, p)
         nd = meta.num_decode_seqs
         if nd == q.shape[0]:  # a pure decode step (most steps): no copy into `out`
@@ -211,13 +211,13 @@ class TorchAttention(AttentionBackend):
         return out
 
     # the steps of `forward`
-    def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, prep: TorchPrep) -> None:
         """Write the new tokens' K/V [num_tokens, num_kv_heads, head_dim] at their slots (-1: skip)."""
-        write_kv(k, v, self.k_cache, self.v_cache, plan.store_tokens, plan.store_rows)
+        write_kv(k, v, self.k_cache, self.v_cache, prep.store_tokens, prep.store_rows)
 
-    def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: TorchPlan) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, meta: AttentionMetadata, prep: TorchPrep) -> torch.Tensor:
         # q [num_decode_seqs, num_heads, head_dim], their K/V already stored
-        return paged_decode(q, self.k_cache, self.v_cache, plan.decode_rows, plan.decode_mask, self.scale)
+        return paged_decode(q, self.k_cache, self.v_cache, prep.decode_rows, prep.decode_mask, self.scale)
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt (chunk) with no cached prefix over its own tokens: q [T, num_heads,

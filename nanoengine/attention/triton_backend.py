@@ -3,7 +3,7 @@
 
 Same cache layout as the torch backend ([num_kv_heads, num_blocks, block_size, head_dim]), so the two are
 interchangeable and tested equal. One step:
-- `plan` (once per step, for every layer): the prefill chunks' starts, lengths, contexts and one padded
+- `prepare` (once per step, for every layer): the prefill chunks' starts, lengths, contexts and one padded
   [num_prefills, max_blocks] block table as device tensors, and the decode split count;
 - `forward` (per layer): store the new K/V at their slots (slot -1 skipped), then decode attention for the
   decode rows and paged prefill attention for the prefill rows, each writing its rows of one output.
@@ -23,12 +23,12 @@ from functools import partial
 import torch
 
 from nanoengine.attention.base import AttentionBackend
-from nanoengine.attention.metadata import AttentionMetadata, AttentionPlan
+from nanoengine.attention.metadata import AttentionMetadata, AttentionPrep
 from nanoengine.attention.torch_backend import kv_cache_shape, prompts_without_cache, self_attention
 
 
 @dataclass
-class TritonPlan(AttentionPlan):
+class TritonPrep(AttentionPrep):
     """What every layer of one step reuses."""
     decode_num_splits: int  # split-K programs per (decode sequence, kv head)
     prefill_max_query_len: int  # 0: no prefill in this step (then the tensors below are None)
@@ -46,7 +46,7 @@ def padded_tables(tables: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 class TritonAttention(AttentionBackend):
     name = "triton"
-    cuda_graphs = True  # plan reads only shapes and host lists; the kernels take device tensors
+    cuda_graphs = True  # prepare reads only shapes and host lists; the kernels take device tensors
     kv_cache_shape = staticmethod(kv_cache_shape)  # the torch backend's layout
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -63,7 +63,7 @@ class TritonAttention(AttentionBackend):
                                "either; set TRITON_INTERPRET=1 before anything imports nanoengine.kernels")
 
     @classmethod
-    def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TritonPlan:
+    def prepare(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> TritonPrep:
         from nanoengine.kernels.triton_decode import choose_num_splits
 
         device = meta.slot_mapping.device
@@ -74,12 +74,12 @@ class TritonAttention(AttentionBackend):
             splits = choose_num_splits(meta.num_decode_seqs, num_kv_heads, max_context, device)
 
         if not meta.prefill_query_lens:  # a pure decode step (most steps): nothing to copy to the device
-            return TritonPlan(splits, 0)
+            return TritonPrep(splits, 0)
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        return TritonPlan(splits, max(meta.prefill_query_lens), ints(meta.prefill_query_starts),
+        return TritonPrep(splits, max(meta.prefill_query_lens), ints(meta.prefill_query_starts),
                           ints(meta.prefill_query_lens), ints(meta.prefill_context_lens),
                           padded_tables(meta.prefill_block_tables, device))
 
@@ -88,7 +88,7 @@ class TritonAttention(AttentionBackend):
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         if not self.k_cache.numel():  # no cache (profiling / tests): prompts over their own tokens
             return prompts_without_cache(q, k, v, meta, partial(self_attention, scale=self.scale))
-        p = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, self.k_cache.shape)
+        p = meta.prepared if isinstance(meta.prepared, TritonPrep) else self.prepare(meta, self.k_cache.shape)
         self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         nd = meta.num_decode_seqs

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     from nanoengine.bench import hardware
     from nanoengine.bench.report import result_name, write_json
-    from nanoengine.serve.data_parallel import replica_threads
+    from nanoengine.serve.replicas import replica_threads
 
     hw = hardware.describe("cpu")
     hw["threads"] = replica_threads(args.data_parallel_size, args.threads)

@@ -12,14 +12,20 @@ One interface, two ways:
 - `PipeChannel`: a socket pair to each worker that rank 0 started on this machine (one pickled message per
   worker, beside Linux's pidfd that names how a worker ended). Measured against the broadcast on this
   machine (`python -m nanoengine.bench.tp_launch`), a step cost the same within the noise.
-Either way a call is `(method, args, reply)`: a ModelRunner method's name (or a function) and its arguments,
-with every tensor copied to host memory.
+The messages are small dataclasses, pickled: `Start` first (rank 0's sys.path and plan), then one `Call` per
+step or RPC (a ModelRunner method's name, or a function, and its arguments, with every tensor copied to host
+memory by `to_device`), and `Shutdown` last; a local worker answers over its pipe with a `Reply` or an
+`ErrorReply` (its traceback).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -27,9 +33,71 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SHUTDOWN = "shutdown"  # the message that ends a worker's loop
+HOST = "127.0.0.1"  # local workers' store and group (a launcher's ranks use its MASTER_ADDR)
 IDLE_TIMEOUT = timedelta(days=365)  # a worker waits for rank 0's next call as long as the engine idles
 ERROR_KEY = "nanoengine/error/{rank}"
+
+
+# ------------------------------------------------------------------ the messages (slots: quick to pickle)
+@dataclass(slots=True)
+class Start:
+    """What every worker receives first: rank 0's sys.path (local workers; None for a launcher's, which have
+    their own) and its plan, pickled inside so that the path is in place before the plan is read."""
+    sys_path: list[str] | None
+    pickled_plan: bytes
+
+    @classmethod
+    def of(cls, plan: Any, sys_path: list[str] | None) -> Start:
+        return cls(sys_path, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def load_plan(self) -> Any:
+        """The plan, after putting rank 0's sys.path (if sent) ahead of this process's."""
+        if self.sys_path:
+            sys.path[:0] = [p for p in self.sys_path if p not in sys.path]
+        return pickle.loads(self.pickled_plan)  # (after the path: the plan may name the learner's files)
+
+
+@dataclass(slots=True)
+class Call:
+    """Run `method` (a ModelRunner method's name, or a function) on `args`; `reply`: send the result back."""
+    method: str | Callable
+    args: tuple
+    reply: bool = False
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """The message that ends a worker's loop."""
+
+
+@dataclass(slots=True)
+class Reply:
+    """A local worker's answer over its pipe: a call's result (or "hello" once it has started)."""
+    value: Any
+
+
+@dataclass(slots=True)
+class ErrorReply:
+    """A local worker's traceback, sent over its pipe before it exits."""
+    traceback: str
+
+
+def to_device(obj: Any, device: torch.device | str, copy: bool = False) -> Any:
+    """obj with every tensor in it (inside lists, tuples, dicts and dataclasses) moved to device; copy=True
+    copies even a tensor already there (a view pickles its whole storage; its copy only its own elements)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=copy)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device, copy) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, copy) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device, copy)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+# ------------------------------------------------------------------ the channels
 
 
 class Channel(ABC):
@@ -120,7 +188,7 @@ class PipeChannel(Channel):
             raise EOFError(str(e)) from e
 
     def reply(self, obj: Any) -> None:
-        self.conns[0].send_bytes(pickle.dumps(("ok", obj)))
+        self.conns[0].send_bytes(pickle.dumps(Reply(obj)))
 
     def post_error(self, text: str) -> None:
-        self.conns[0].send_bytes(pickle.dumps(("error", text)))
+        self.conns[0].send_bytes(pickle.dumps(ErrorReply(text)))

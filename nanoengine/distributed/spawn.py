@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanoengine.distributed.group import init_process_group
-from nanoengine.distributed.workers import WorkerError
+from nanoengine.errors import WorkerError
 
 START_S = 30  # what a fresh rank may take to start (import torch, join the group) on a busy machine
 

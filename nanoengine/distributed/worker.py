@@ -25,12 +25,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nanoengine.distributed import launcher
-from nanoengine.distributed.channel import SHUTDOWN, Channel
+from nanoengine.distributed.channel import HOST, Channel, PipeChannel, Shutdown, to_device
 
 
 def serve_calls(plan: Any, rank: int, group: Any, channel: Channel, local_rank: int) -> bool:
-    """Build this rank's runner, then run rank 0's calls until SHUTDOWN (True) or rank 0 is gone (False)."""
-    from nanoengine.distributed.workers import to_device
+    """Build this rank's runner, then run rank 0's calls until Shutdown (True) or rank 0 is gone (False)."""
     from nanoengine.engine.executor import call_on
     from nanoengine.engine.model_runner import ModelRunner
     from nanoengine.engine.parts import assemble
@@ -39,13 +38,13 @@ def serve_calls(plan: Any, rank: int, group: Any, channel: Channel, local_rank: 
         runner = ModelRunner(plan, assemble(plan), group, local_rank)
         while True:
             try:
-                method, args, reply = channel.receive()
+                call = channel.receive()
             except EOFError:
                 return False
-            if method == SHUTDOWN:
+            if isinstance(call, Shutdown):
                 return True
-            result = call_on(runner, method, to_device(args, runner.device))
-            if reply:
+            result = call_on(runner, call.method, to_device(call.args, runner.device))
+            if call.reply:
                 channel.reply(to_device(result, "cpu"))
     except BaseException:
         try:
@@ -70,8 +69,6 @@ def serve_launched_rank(plan: Any, launch: launcher.Launched) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from nanoengine.distributed.channel import PipeChannel
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us cleanly
     conn = Connection(int(argv[1]))
     rank, port, threads = map(int, argv[2:5])
@@ -84,10 +81,9 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from nanoengine.distributed.group import init_process_group
-    from nanoengine.distributed.workers import HOST, read_start
 
     try:
-        plan = read_start(start)
+        plan = start.load_plan()
         torch.set_num_threads(threads)
         channel.reply("hello")
         group = init_process_group(plan.dist_backend, HOST, port, rank, plan.tensor_parallel_size)

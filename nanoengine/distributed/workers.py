@@ -26,7 +26,6 @@ The ranks stop on `close()`, when the engine is garbage-collected, and at interp
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import signal
@@ -47,31 +46,22 @@ import torch
 import torch.distributed as dist
 
 from nanoengine.distributed import launcher
-from nanoengine.distributed.channel import SHUTDOWN, BroadcastChannel, PipeChannel
+from nanoengine.distributed.channel import (
+    HOST,
+    BroadcastChannel,
+    Call,
+    ErrorReply,
+    PipeChannel,
+    Reply,
+    Shutdown,
+    Start,
+    to_device,
+)
+from nanoengine.distributed.exits import exit_status
 from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT, init_process_group
-from nanoengine.errors import InvalidValueError
+from nanoengine.errors import InvalidValueError, WorkerError
 
-HOST = "127.0.0.1"  # local workers' store and group (a launcher's ranks use its MASTER_ADDR)
 STARTUP_TIMEOUT_S = 120  # a worker must be up (imports done) within this
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker raised, exited or was killed; the message carries its traceback or its end."""
-
-
-def to_device(obj: Any, device: torch.device | str, copy: bool = False) -> Any:
-    """obj with every tensor in it (inside lists, tuples, dicts and dataclasses) moved to device; copy=True
-    copies even a tensor already there (a view pickles its whole storage; its copy only its own elements)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=copy)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(x, device, copy) for x in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device, copy) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device, copy)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
 
 
 @contextmanager
@@ -93,20 +83,6 @@ def sigint_held() -> Iterator[None]:
                 raise KeyboardInterrupt
 
 
-def start_message(plan: Any, path: list[str] | None) -> tuple:
-    """What every worker receives first: rank 0's sys.path (local workers; None for a launcher's, which
-    have their own) and its plan, pickled inside so that the path is in place before the plan is read."""
-    return ("start", path, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def read_start(message: tuple) -> Any:
-    """The plan in a start message, after putting rank 0's sys.path (if sent) ahead of this process's."""
-    _, path, data = message
-    if path:
-        sys.path[:0] = [p for p in path if p not in sys.path]
-    return pickle.loads(data)  # (after the path: the plan may name the learner's files)
-
-
 class Ranks(ABC):
     """Ranks 1..N-1 seen from rank 0, joined with it in one group (`group`: rank 0's TPGroup)."""
     size: int
@@ -116,13 +92,13 @@ class Ranks(ABC):
         """Send one call to every other rank (tensors travel by value, through host memory)."""
         self.check()
         self.check_sendable(method)
-        self.deliver((method, to_device(args, "cpu", copy=True), reply))
+        self.deliver(Call(method, to_device(args, "cpu", copy=True), reply))
 
     def check_sendable(self, method: str | Callable) -> None:  # noqa: B027 - a hook: nothing to refuse here
         """Refuse a call the other ranks cannot look up by name (pickle sends functions by name)."""
 
     @abstractmethod
-    def deliver(self, message: tuple) -> None:
+    def deliver(self, message: Start | Call) -> None:
         """Put one message on the way to every other rank."""
 
     @abstractmethod
@@ -213,21 +189,11 @@ class WorkerProcess:
             self.sentinel = None
 
 
-def describe_exit(rank: int, proc: Any) -> str:
-    code = proc.exitcode
-    if code is None:
-        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped answering"
-    if code < 0:
-        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) was killed by "
-                f"{signal.Signals(-code).name}")
-    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
-
-
 def stop(procs: list, conns: list[Connection], threads: int) -> None:
     """Ask every worker to stop, kill what does not within 5 s, and leave the process group."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps((SHUTDOWN, (), False)))
+            conn.send_bytes(pickle.dumps(Shutdown()))
         except OSError:
             pass
     deadline = time.monotonic() + 5
@@ -268,7 +234,7 @@ class LocalWorkers(Ranks):
                 proc = WorkerProcess(rank, self.store.port, threads)
                 self.procs.append(proc)
                 self.conns.append(proc.conn)
-            self.deliver(start_message(plan, list(sys.path)))
+            self.deliver(Start.of(plan, list(sys.path)))
             for i in range(len(self.procs)):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
             self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size,
@@ -293,7 +259,7 @@ class LocalWorkers(Ranks):
     def close(self) -> None:
         self._finalizer()
 
-    def deliver(self, message: tuple) -> None:
+    def deliver(self, message: Start | Call) -> None:
         try:
             self.channel.send(message)
         except OSError:  # a worker is gone: find which, and raise with why
@@ -303,9 +269,9 @@ class LocalWorkers(Ranks):
             raise
 
     def replies(self) -> list[Any]:
-        return [self.receive(i)[1] for i in range(len(self.conns))]
+        return [self.receive(i).value for i in range(len(self.conns))]
 
-    def receive(self, i: int, timeout: float | None = None, starting: bool = False) -> tuple:
+    def receive(self, i: int, timeout: float | None = None, starting: bool = False) -> Reply:
         """Worker i's next message; a WorkerError if it sent an error, ended, or was silent for `timeout`."""
         conn, proc, rank = self.conns[i], self.procs[i], i + 1
         ready = wait([x for x in (conn, proc.sentinel) if x is not None], timeout)
@@ -315,13 +281,16 @@ class LocalWorkers(Ranks):
                 msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 msg = None
-        if msg is not None and msg[0] != "error":
+        if isinstance(msg, Reply):
             return msg
-        if msg is not None:
-            why = f"tensor-parallel worker rank {rank} failed:\n{msg[1]}"
+        if isinstance(msg, ErrorReply):
+            why = f"tensor-parallel worker rank {rank} failed:\n{msg.traceback}"
         else:
             proc.join(1 if ready else 0)
-            why = describe_exit(rank, proc) + ("" if ready else f" (no answer within {timeout} s)")
+            code = proc.exitcode
+            why = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
+                   + ("stopped answering" if code is None else exit_status(code))
+                   + ("" if ready else f" (no answer within {timeout} s)"))
             if starting:
                 why += (" while starting (`python -m nanoengine.distributed.worker`: its own error, if any, "
                         "is printed above)")
@@ -376,25 +345,25 @@ class LauncherRanks(Ranks):
         self.channel = BroadcastChannel(launch.rank, launch.world_size, store)
         self._finalizer = weakref.finalize(self, self.shut_down, self.channel) if launch.rank == 0 else None
         if launch.rank == 0:
-            self.deliver(start_message(plan, None))
+            self.deliver(Start.of(plan, None))
 
     @staticmethod
     def shut_down(channel: BroadcastChannel) -> None:
         """Rank 0, at close or exit: tell the others to stop, then leave the group."""
         try:
-            channel.send((SHUTDOWN, (), False))
+            channel.send(Shutdown())
         except RuntimeError:
             pass  # they are gone already
         leave_group()
 
     def receive_plan(self) -> Any:
         """Ranks 1..N-1: rank 0's plan, which every rank builds its runner from."""
-        return read_start(self.channel.receive())
+        return self.channel.receive().load_plan()
 
     def leave(self) -> None:
         leave_group()
 
-    def deliver(self, message: tuple) -> None:
+    def deliver(self, message: Start | Call) -> None:
         self.channel.send(message)
 
     def replies(self) -> list[Any]:

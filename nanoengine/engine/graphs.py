@@ -13,9 +13,9 @@ same kernels on the same memory, so:
   so a shorter table (a batch that shrank, a sequence preempted and re-admitted with a new table) never
   reads an old block id;
 - anything else runs eagerly: a step with a prefill chunk, a batch larger than the largest bucket.
-The graph holds the whole forward the runner would run eagerly, the attention backend's `plan` included, so
-whichever backend is active is captured. On CUDA its plan and forward must not sync with the host or copy
-from it (the torch backend's store does, so the config runs it eagerly, with a warning).
+The graph holds the whole forward the runner would run eagerly, the attention backend's `prepare` included,
+so whichever backend is active is captured. On CUDA its prepare and forward must not sync with the host or
+copy from it (the torch backend's store does, so the config runs it eagerly, with a warning).
 
 Capturing and replaying go through one small interface (`capture(fn)`, `replay()`), with two kinds:
 `CUDAGraph` records the kernels; `StandInGraph` (CPU) records `fn` itself and replays it by calling it on
@@ -92,7 +92,8 @@ GRAPH_KINDS: dict[str, type[CUDAGraph] | type[StandInGraph]] = {"cuda": CUDAGrap
 class DecodeGraphs:
     """Static buffers, one graph per bucket, and the copies into the buffers before each replay.
 
-    `forward(inp)` is the runner's eager forward (plan the attention, run the model) -> [num_tokens, hidden].
+    `forward(inp)` is the runner's eager forward (prepare the attention, run the model) -> [num_tokens,
+    hidden].
     """
 
     def __init__(self, forward: Callable[[ModelInput], torch.Tensor], kind: str, max_num_seqs: int,

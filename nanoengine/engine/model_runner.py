@@ -216,5 +216,5 @@ class ModelRunner:
     def eager_forward(self, inp: ModelInput) -> torch.Tensor:
         """Plan the step's attention once, then run the model: hidden states [num_tokens, hidden] (what a
         graph captures)."""
-        inp.attn.plan = self.attn_backend.plan(inp.attn, self.kv_cache_shape)
+        inp.attn.prepared = self.attn_backend.prepare(inp.attn, self.kv_cache_shape)
         return self.model(inp.input_ids, inp.positions, inp.attn)

@@ -4,12 +4,13 @@ attention are yours.
 
 The backend keeps the exercises' cache layout, blocks first: k_cache, v_cache [num_blocks, block_size,
 num_kv_heads, head_dim] per layer (the engine's torch backend stores heads first; a backend declares its own
-layout with `kv_cache_shape`, and the model runner allocates what it says). It plans nothing: your functions
-read the step's slot mapping, block tables and context lengths straight from the AttentionMetadata that
-your 3.2 built. A prompt chunk with no cached prefix attends over its own tokens (chapter 02's piece, or the
-engine's); every other query attends over your blocks. Decode runs your Exercise 3.7 kernel through the
-file's `triton_paged_decode`: compiled on CUDA, in Triton's interpreter without a GPU (the chapter file
-switches it on before defining the kernel), so a CPU run is slow but goes through the same kernel.
+layout with `kv_cache_shape`, and the model runner allocates what it says). It prepares nothing per step:
+your functions read the step's slot mapping, block tables and context lengths straight from the
+AttentionMetadata that your 3.2 built. A prompt chunk with no cached prefix attends over its own tokens
+(chapter 02's piece, or the engine's); every other query attends over your blocks. Decode runs your
+Exercise 3.7 kernel through the file's `triton_paged_decode`: compiled on CUDA, in Triton's interpreter
+without a GPU (the chapter file switches it on before defining the kernel), so a CPU run is slow but goes
+through the same kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from nanoengine.attention import AttentionMetadata, AttentionPlan, TorchAttention
+from nanoengine.attention import AttentionMetadata, AttentionPrep, TorchAttention
 from nanoengine.errors import ExerciseError
 from nanoengine.pieces.learner import check_result, piece
 
@@ -95,14 +96,14 @@ def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchA
             return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
         @classmethod
-        def plan(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> AttentionPlan:
-            return AttentionPlan()  # your functions take the metadata as it is
+        def prepare(cls, meta: AttentionMetadata, kv_cache_shape: tuple[int, ...]) -> AttentionPrep:
+            return AttentionPrep()  # your functions take the metadata as it is
 
         def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                  plan: AttentionPlan) -> None:
+                  prep: AttentionPrep) -> None:
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
 
-        def decode(self, q: torch.Tensor, meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+        def decode(self, q: torch.Tensor, meta: AttentionMetadata, prep: AttentionPrep) -> torch.Tensor:
             # q [num_decode_seqs, num_heads, head_dim]
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
             live = live_rows(lens) if interpreted else None

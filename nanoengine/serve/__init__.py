@@ -3,17 +3,20 @@
 
 - `protocol.py`: the request and response bodies, in OpenAI's shapes (pydantic);
 - `async_engine.py`: one background thread steps the `LLMEngine`; handlers submit through a thread-safe queue
-  and read their deltas from per-request asyncio queues;
+  and read their deltas from per-request asyncio queues (`messages.py`: what travels both ways; `faults.py`:
+  a failure injected for the tests);
 - `limits.py`: `ServerLimits`, what one request and the queue may be (body, n, prompt tokens, queued
   sequences, first-token timeout, unread stream chunks);
 - `metrics.py`: the Prometheus metrics behind `GET /metrics`;
-- `routes.py`: the FastAPI app and its routes, OpenAI's error format, and the SSE chunks (written once for
-  completions and chats);
+- `http.py`: what every HTTP app of ours needs: OpenAI's error format, the API key, the body limit, SSE
+  framing, a client that went away, the socket, uvicorn's clean shutdown;
+- `routes.py`: the OpenAI routes (the SSE chunks written once for completions and chats; `choices.py` builds
+  the bodies), `/health`, `/server_info`, `/metrics`, `/v1/trace`;
 - `server.py`: the process: `Server` (uvicorn on a bound socket, clean shutdown): `run()` in the foreground
   (`nanoengine serve`) or `start()` / `with Server(...)` from a background thread (the book);
 - `trace_json.py`: the engine's step trace as JSON and back (`GET /v1/trace`, for the book's widgets).
-- `router.py` and `data_parallel.py`: `--data-parallel-size N`, N replica processes behind one front end that
-  sends each request to the replica caching its prompt's longest prefix (or round-robin).
+- `router.py`, `replicas.py` and `data_parallel.py`: `--data-parallel-size N`, N replica processes behind one
+  front end that sends each request to the replica caching its prompt's longest prefix (or round-robin).
 
     nanoengine serve tiny-qwen3 --port 8000
     from openai import OpenAI

@@ -4,43 +4,52 @@ Chapter 05 (appendix).
 The engine is not thread-safe, so only the engine thread touches it. A handler `submit`s prompts and
 SamplingParams through a thread-safe command queue and awaits their acceptance: the engine thread runs
 `make_request` for every prompt (tokenizing, checking, admission), so a bad request fails before any of it is
-queued, with the engine's own error. Then the handler reads events from its `RequestStream`, an asyncio queue
-that the engine thread fills after every step (one `call_soon_threadsafe` per step for all streams):
-`Delta(index, text)` for new text, `ChoiceDone(index, finish_reason, stop_reason)` when a completion finishes,
-and `RequestDone` when the whole request has, with its RequestOutputs. The engine thread steps whenever there
+queued, with the engine's own error. Then the handler reads events (new text, finished choices) from its
+`RequestStream`, an asyncio queue that the engine thread fills after every step (one `call_soon_threadsafe`
+per step for all streams); `messages.py` has both kinds of message. The engine thread steps whenever there
 is work and sleeps on the command queue when there is none. Scheduling, stop rules and detokenization are the
-engine's (`LLMEngine.step`); nothing here re-decides them.
-
-`abort(stream)` (a client that went away) frees the request's blocks in the engine thread's next loop, within
-one step. `begin_shutdown(grace_s)` refuses new requests, lets the in-flight ones run for up to `grace_s`,
-then aborts the rest (their streams end with finish_reason "abort"); `stop()` ends the thread.
+engine's (`LLMEngine.step`); nothing here re-decides them. `abort(stream)` (its client went away) frees its
+blocks within one step; `begin_shutdown(grace_s)` refuses new requests and aborts the in-flight ones still
+running after `grace_s` (their streams end with finish_reason "abort"); `stop()` ends the thread.
 
 The limits (`ServerLimits`) that need the engine are applied here: prompt tokens and the queue's length when
 a request is added, the first-token timeout before every step (a deque of deadlines in arrival order, so a
 long queue costs nothing), and a stream's unread chunks when they are delivered. A step that raises is fatal:
 every request in flight ends with the error (HTTP 500), /health reports it, nothing more is accepted, and
 `on_fatal` tells the server to exit with a non-zero status (a supervisor restarts it), because an engine that
-failed mid-step may hold a broken KV cache. `NANOENGINE_INJECT_FAULT=<ExceptionName>@<step>` (tests only:
-RuntimeError or MemoryError) raises that exception in place of the engine's step number <step>.
+failed mid-step may hold a broken KV cache (tests inject such a failure: `faults.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.serve.faults import FAULT_ENV, injected_fault
 from nanoengine.serve.limits import ServerLimits
+from nanoengine.serve.messages import (
+    Abort,
+    AddRequests,
+    Call,
+    ChoiceDone,
+    Delta,
+    EngineStepError,
+    Failed,
+    RequestDone,
+    RequestStream,
+    ServerBusyError,
+    Wake,
+)
 from nanoengine.serve.metrics import ServerMetrics
 from nanoengine.serve.protocol import ProtocolError
 from nanoengine.tokenizer import apply_chat_template
@@ -54,98 +63,6 @@ log = logging.getLogger("nanoengine.serve")
 flag = ServerLimits.flag  # a limit's `nanoengine serve` flag, for messages
 IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before looking again
 MAX_TRACE_STEPS = 5_000  # a traced server stops recording after this many steps (each keeps a snapshot)
-FAULT_ENV = "NANOENGINE_INJECT_FAULT"  # tests only: "RuntimeError@3" raises in place of the 3rd step
-FAULTS = {"RuntimeError": RuntimeError, "MemoryError": MemoryError}
-
-
-def injected_fault() -> tuple[type[Exception], int] | None:
-    """The fault NANOENGINE_INJECT_FAULT asks for: (exception class, step number), or None."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    name, _, step = spec.partition("@")
-    if name not in FAULTS or not step.isdigit() or int(step) < 1:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <{'|'.join(FAULTS)}>@<step number >= 1>")
-    return FAULTS[name], int(step)
-
-
-class ServerBusyError(RuntimeError):
-    """The server is shutting down, or its engine thread is gone, or its queue is full (HTTP 503; with
-    `retry_after` seconds, a Retry-After header)."""
-
-    def __init__(self, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineStepError(RuntimeError):
-    """The engine raised while stepping; every request in flight was aborted (HTTP 500)."""
-
-
-@dataclass
-class Delta:
-    index: int  # choice index: prompt number * n + completion number
-    text: str
-
-
-@dataclass
-class ChoiceDone:
-    index: int
-    finish_reason: str
-    stop_reason: int | str | None
-
-
-@dataclass
-class RequestDone:
-    prompt_index: int
-    output: RequestOutput
-
-
-@dataclass
-class Failed:
-    error: Exception
-
-
-@dataclass
-class RequestStream:
-    """A handler's side of one HTTP request (one or more prompts, n completions each)."""
-
-    request_id: str
-    num_prompts: int
-    n: int
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future | None = None
-    outputs: list[RequestOutput | None] = field(default_factory=list)
-    done: bool = False
-    request_ids: list[str] = field(default_factory=list)  # its engine requests (engine thread)
-
-    def __post_init__(self) -> None:
-        self.accepted = self.loop.create_future()
-        self.outputs = [None] * self.num_prompts
-
-    async def events(self) -> AsyncIterator[Delta | ChoiceDone]:
-        """Deltas and finished choices until every prompt's request is done; an engine failure raises."""
-        remaining = self.num_prompts
-        while remaining:
-            ev = await self.queue.get()
-            if isinstance(ev, RequestDone):
-                self.outputs[ev.prompt_index] = ev.output
-                remaining -= 1
-            elif isinstance(ev, Failed):
-                self.done = True
-                raise ev.error
-            else:
-                yield ev
-        self.done = True
-
-    @property
-    def usage(self) -> dict[str, int]:
-        """OpenAI's usage: prompt tokens once per prompt, completion tokens over every choice."""
-        outs = [o for o in self.outputs if o is not None]
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
-        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @dataclass
@@ -160,19 +77,19 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, trace: bool = False,
+    def __init__(self, llm_engine: LLMEngine, metrics: ServerMetrics | None = None, trace: bool = False,
                  limits: ServerLimits | None = None, on_fatal: Callable[[], None] | None = None) -> None:
         """limits: what the server takes (ServerLimits' defaults when None). on_fatal: called (from the engine
         thread) after a step raised and every request in flight was failed."""
-        self.engine = engine
+        self.llm_engine = llm_engine
         self.limits = limits or ServerLimits()
         self.on_fatal = on_fatal
         self.failure: str | None = None  # "ExceptionName: message" once a step raised
         self._fault = injected_fault()
         # first-token deadlines in arrival order, with the request ids only: a finished stream is not kept
         self._deadlines: deque[tuple[float, list[str]]] = deque()
-        self.metrics = metrics or ServerMetrics(engine.config.model)
-        self.metrics.on_plan(engine.plan, engine.block_manager.num_blocks)
+        self.metrics = metrics or ServerMetrics(llm_engine.config.model)
+        self.metrics.on_plan(llm_engine.plan, llm_engine.block_manager.num_blocks)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -188,7 +105,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         if self.trace_enabled:
-            self.trace = self.engine.start_trace()
+            self.trace = self.llm_engine.start_trace()
         self._thread = threading.Thread(target=self._run, name="nanoengine-engine", daemon=True)
         self._thread.start()
 
@@ -214,7 +131,7 @@ class AsyncEngine:
             raise ServerBusyError(self.why_not_serving())
         n_prompts = 1 if conversation is not None else len(prompts)
         stream = RequestStream(request_id, n_prompts, params.n, self._loop)
-        self._commands.put(("add", stream, prompts, params, conversation, time.perf_counter()))
+        self._commands.put(AddRequests(stream, prompts, params, conversation, time.perf_counter()))
         try:
             while not (await asyncio.wait({stream.accepted}, timeout=IDLE_WAIT_S))[0]:
                 if not self._thread.is_alive():  # it ended before taking the request
@@ -228,24 +145,24 @@ class AsyncEngine:
         """The client is gone: abort whatever of `stream` is still running (thread-safe, returns at once)."""
         if not stream.done:
             stream.done = True
-            self._commands.put(("abort", stream))
+            self._commands.put(Abort(stream))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """fn(engine), run in the engine thread between steps (reading the trace or the block manager)."""
-        fut = self._loop.create_future()
-        self._commands.put(("call", fn, fut))
-        return await fut
+        """fn(llm_engine), run in the engine thread between steps (reading the trace or the block manager)."""
+        answer = self._loop.create_future()
+        self._commands.put(Call(fn, answer))
+        return await answer
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new requests; abort the in-flight ones still running after grace_s seconds."""
         self._stopping = True
         self._abort_at = time.perf_counter() + grace_s
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -263,7 +180,6 @@ class AsyncEngine:
     def _deliver(self, batch: list[tuple[RequestStream, list[Any]]]) -> None:
         if not batch:
             return
-
         limit = self.limits.max_unread_chunks
 
         def put() -> None:
@@ -281,7 +197,7 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(put)
 
     def _run(self) -> None:
-        eng, calls = self.engine, 0
+        eng, calls = self.llm_engine, 0
         while not self._stop.is_set():
             self._handle_commands(block=not eng.has_unfinished())
             now = time.perf_counter()
@@ -325,10 +241,8 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                self._resolve(cmd[1].accepted, error=ServerBusyError(self.why_not_serving()))
-            elif cmd[0] == "call":
-                self._resolve(cmd[2], error=ServerBusyError(self.why_not_serving()))
+            if isinstance(cmd, AddRequests | Call):  # each has a handler awaiting its answer
+                self._resolve(cmd.answer, error=ServerBusyError(self.why_not_serving()))
 
     def _expire(self, now: float) -> None:
         """Fail the requests whose first-token deadline passed before their first token came."""
@@ -349,25 +263,24 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            kind = cmd[0]
-            if kind == "add":
-                self._add(*cmd[1:])
-            elif kind == "abort":
-                self._abort_stream(cmd[1])
-            elif kind == "call":
-                fn, fut = cmd[1:]
-                try:
-                    self._resolve(fut, fn(self.engine))
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    self._resolve(fut, error=e)
+            match cmd:
+                case AddRequests():
+                    self._add(cmd)
+                case Abort(stream):
+                    self._abort_stream(stream)
+                case Call(fn, answer):
+                    try:
+                        self._resolve(answer, fn(self.llm_engine))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        self._resolve(answer, error=e)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
 
-    def _add(self, stream: RequestStream, prompts: list[Any], params: SamplingParams,
-             conversation: list[dict] | None, arrival: float) -> None:
-        eng = self.engine
+    def _add(self, add: AddRequests) -> None:
+        eng, stream, params = self.llm_engine, add.stream, add.params
+        prompts, conversation = add.prompts, add.conversation
         if self._stopping:
             self._resolve(stream.accepted, error=ServerBusyError("the server is shutting down"))
             return
@@ -394,13 +307,13 @@ class AsyncEngine:
                 f"server's {flag('max_queued_seqs')} {limits.max_queued_seqs}; retry later", retry_after=1))
             return
         for i, req in enumerate(reqs):
-            req.metrics.arrival_time = arrival  # when the HTTP request came in, not when this thread saw it
+            req.metrics.arrival_time = add.arrival  # when the HTTP request came, not when this thread saw it
             eng.add(req)
             self._live[req.request_id] = _Live(req, stream, i)
             stream.request_ids.append(req.request_id)
             self.metrics.on_admitted(len(req.prompt_token_ids) * params.n)  # per sequence, as hits count
         if limits.first_token_timeout_s is not None:
-            self._deadlines.append((arrival + limits.first_token_timeout_s, stream.request_ids))
+            self._deadlines.append((add.arrival + limits.first_token_timeout_s, stream.request_ids))
         self._resolve(stream.accepted, stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:
@@ -437,7 +350,7 @@ class AsyncEngine:
     def _finish(self, live: _Live, aborted: bool = False) -> RequestOutput:
         req = live.request
         out = req.output()
-        self.engine.abort(req.request_id)  # frees its blocks (a finished request only lets go)
+        self.llm_engine.abort(req.request_id)  # frees its blocks (a finished request only lets go)
         reason = "abort" if aborted else (out.outputs[0].finish_reason or "abort")
         self.metrics.on_finished(reason, req.metrics)
         return out
@@ -445,7 +358,7 @@ class AsyncEngine:
     def _publish(self, stats: Any, deltas: list[tuple[Request, int, str]] = ()) -> None:
         """After a step (its stats and text deltas) or idle: send every stream its new events, update the
         metrics."""
-        eng, batch = self.engine, []
+        eng, batch = self.llm_engine, []
         if stats is not None:
             texts: dict[str, list[tuple[int, str]]] = {}
             for req, index, text in deltas:

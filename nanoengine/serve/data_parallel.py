@@ -1,16 +1,16 @@
 """`nanoengine serve MODEL --data-parallel-size N`: N engine replicas behind one OpenAI-compatible address.
 Chapter 07 (beyond one machine; serving is chapter 05's appendix).
 
-Each replica is an ordinary `nanoengine serve` process on loopback (`--port 0`: the OS picks its port, which
-it prints; no race for one), with the user's engine options and limits, `cores // N` torch threads on a CPU
-(or one GPU each), and a random API key in its environment that only this front end knows. The front end is
-a small FastAPI app in this process: it reads each request's body, asks the router (`router.py`) for a
-replica and forwards the body there unchanged (a stream chunk by chunk), so every answer, error and limit is
-the replica's own; only the API key and the body limit are checked here first, as a single server does.
+Each replica is an ordinary `nanoengine serve` process on loopback (`replicas.py`), with the user's engine
+options and limits, `cores // N` torch threads on a CPU (or its own GPUs), and a random API key in its
+environment that only this front end knows. The front end is a small FastAPI app in this process: it reads
+each request's body, asks the router (`router.py`) for a replica and forwards the body there unchanged (a
+stream chunk by chunk), so every answer, error and limit is the replica's own; only the API key and the body
+limit are checked here first, as a single server does (with the same code: `http.py`).
 
 The router sees token ids: the prompt as the replica will see it (a text prompt through `encode_text`, a
 chat through the engine's `apply_chat_template`), its full blocks hashed with the block manager's chained
-hash at the replicas' block size (which each replica reports in /metrics, `nanoengine_cache_config_info`).
+hash at the replicas' block size (which each replica reports at `GET /server_info`).
 
     GET  /health    200 {"status": "ok", "replicas": [...]} while a replica is up; 503 when none is
     GET  /metrics   every replica's families labelled replica="i", their totals, the router's counters
@@ -22,23 +22,16 @@ A replica that exits is reported (stderr, /health, /metrics) and gets no more re
 requests in flight fails with 503 naming the replica, its pid and how it ended (a stream: an error chunk,
 then `data: [DONE]`); the others serve on. When none is left the front end answers 503 and exits with
 status 1. SIGINT/SIGTERM: the replicas get SIGTERM (their own shutdown grace lets in-flight requests finish),
-the front end waits for them and exits with status 0. A replica dies with the front end, however that ends
-(Linux's PR_SET_PDEATHSIG).
+the front end waits for them and exits with status 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
 import secrets
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -46,172 +39,38 @@ import httpx
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from nanoengine.config import EngineConfig
-from nanoengine.distributed import launcher
 from nanoengine.errors import InvalidValueError
 from nanoengine.flags import engine_flags
-from nanoengine.serve.limits import ServerLimits
-from nanoengine.serve.metrics import combine_replicas
-from nanoengine.serve.router import POLICIES, REASONS, NoReplicaError, Router, prompt_block_hashes
-from nanoengine.serve.routes import (
-    SSE_HEADERS,
+from nanoengine.serve.http import (
+    DONE,
     BodyLimit,
+    ShutdownUvicorn,
     add_error_handlers,
+    base_url,
+    bind_socket,
+    check_access,
+    client_gone,
     error_chunk,
     error_response,
     needs_key,
+    service_unavailable,
+    sse_response,
     unless_gone,
 )
-from nanoengine.serve.server import ShutdownUvicorn, bind_socket, check_access
+from nanoengine.serve.limits import ServerLimits
+from nanoengine.serve.metrics import FrontMetrics, render_replicas
+from nanoengine.serve.replicas import Replica, gpus_for, replica_threads, start_replicas
+from nanoengine.serve.router import POLICIES, NoReplicaError, Router, prompt_block_hashes
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 REPLICA_HEADER = "x-nanoengine-replica"
 POLL_S = 0.2  # how often the front end looks for replicas that exited
 EXIT_WAIT_S = 2.0  # after a broken connection, how long to wait for its replica's exit to show
 PASSED_ON = ("retry-after", "www-authenticate")  # response headers of a replica's error kept for the client
-
-
-def exit_status(returncode: int) -> str:
-    """How a process ended, in words: 'exited with status 1', 'was killed by signal 9 (SIGKILL)'."""
-    if returncode >= 0:
-        return f"exited with status {returncode}"
-    try:
-        return f"was killed by signal {-returncode} ({signal.Signals(-returncode).name})"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
-
-
-class Replica:
-    """One `nanoengine serve` process on loopback; its output goes to our stderr, each line prefixed."""
-
-    def __init__(self, index: int, argv: list[str], env: dict[str, str]) -> None:
-        self.index = index
-        dies_with_us = launcher.die_with_parent(os.getpid(), signal.SIGTERM)  # its own clean shutdown
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, preexec_fn=dies_with_us)
-        self.url: str | None = None  # http://127.0.0.1:PORT, once it listens
-        self.about = ""  # its startup line's (device, dtype, KV blocks)
-        self.ready = threading.Event()  # it printed its address, or its output ended
-        self.tail: deque[str] = deque(maxlen=20)  # its last lines, for a startup failure's message
-        self._reader = threading.Thread(target=self._read, name=f"replica-{index}-log", daemon=True)
-
-    def start_reading(self) -> None:
-        """Its output to our stderr, from a thread (started once every replica is forked: no thread may run
-        while another replica forks)."""
-        self._reader.start()
-
-    @property
-    def name(self) -> str:
-        return f"replica {self.index} (pid {self.proc.pid})"
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            found = re.search(r" on (http://\S+)/v1 ?(.*)", line) if self.url is None else None
-            if found:
-                self.url, self.about = found.group(1), found.group(2)
-                self.ready.set()
-                continue
-            self.tail.append(line)
-            print(f"nanoengine serve [replica {self.index}]: {line.removeprefix('nanoengine serve: ')}",
-                  file=sys.stderr, flush=True)
-        self.ready.set()
-
-    def status(self) -> str | None:
-        """How it ended ('exited with status 1', ...), or None while it runs."""
-        code = self.proc.poll()
-        return None if code is None else exit_status(code)
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> None:
-        """Until it exits (SIGKILL after `timeout` seconds); its output read to the end."""
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self._reader.ident is not None:  # started
-            self._reader.join(5)
-
-
-def replica_env(threads: int, key: str, gpus: list[str] | None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NANOENGINE_API_KEY": key, "PYTHONUNBUFFERED": "1"}
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    return env
-
-
-def gpus_for(size: int, engine_options: dict[str, Any]) -> list[list[str]] | None:
-    """Each replica's GPUs (its tensor-parallel size of the visible ones, in order), None on a CPU; an error
-    with too few GPUs."""
-    if engine_options.get("device") == "cpu":
-        return None
-    import torch
-
-    count, tp = torch.cuda.device_count(), engine_options.get("tensor_parallel_size", 1)
-    if count == 0:
-        return None
-    if count < size * tp:
-        raise InvalidValueError(f"--data-parallel-size {size} gives each replica its own {tp} GPU(s), but "
-                                f"{count} are visible; use fewer replicas, or --device cpu")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(count)]
-    return [ids[i * tp:(i + 1) * tp] for i in range(size)]
-
-
-def replica_threads(size: int, threads: int | None = None) -> int:
-    """Torch threads per replica: `threads`, or the cores this process may run on split between them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return threads or max(1, cores // size)
-
-
-class FrontMetrics:
-    """The front end's own counters (beside the replicas' families on /metrics)."""
-
-    def __init__(self, size: int) -> None:
-        self.registry = r = CollectorRegistry()
-        self.routed = Counter("nanoengine_router_requests", "requests sent to each replica, by why "
-                              "(affinity, over_bound, least_loaded, round_robin)", ["replica", "reason"],
-                              registry=r)
-        self.lost = Counter("nanoengine_router_lost_requests", "requests in flight on a replica when it "
-                            "exited or its connection broke", ["replica"], registry=r)
-        self.refused = Counter("nanoengine_router_requests_refused", "requests the front end refused "
-                               "(body_too_large, unavailable)", ["reason"], registry=r)
-        self.in_flight = Gauge("nanoengine_router_in_flight", "requests in flight on each replica",
-                               ["replica"], registry=r)
-        self.up = Gauge("nanoengine_router_replica_up", "1 while the replica runs, 0 once it exited",
-                        ["replica"], registry=r)
-        self.num_up = Gauge("nanoengine_router_replicas_up", "replicas running", registry=r)
-        for i in range(size):
-            for reason in REASONS:
-                self.routed.labels(replica=str(i), reason=reason)
-            self.lost.labels(replica=str(i))
-
-    def on_refused(self, reason: str) -> None:
-        self.refused.labels(reason=reason).inc()
-
-    def render(self, router: Router) -> bytes:
-        for i, (n, up) in enumerate(zip(router.in_flight, router.up)):
-            self.in_flight.labels(replica=str(i)).set(n)
-            self.up.labels(replica=str(i)).set(int(up))
-        self.num_up.set(router.num_up)
-        return generate_latest(self.registry)
-
-
-class _Families:
-    """Parsed metric families as a registry for generate_latest."""
-
-    def __init__(self, families: list[Any]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Any]:
-        return self.families
 
 
 class DataParallelServer:
@@ -255,12 +114,8 @@ class DataParallelServer:
                 str(shutdown_grace_s), "--threads", str(self.threads), "--protect-metrics",
                 *(["--trace"] if trace else []), *self.limits.as_flags(), *engine_flags(engine_options)]
         self.sock = bind_socket(host, port)  # first: a port in use fails before any model loads
-        url_host = f"[{host}]" if ":" in host else host
-        self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"
-        self.replicas = [Replica(i, argv, replica_env(self.threads, self._key, gpus and gpus[i]))
-                         for i in range(size)]
-        for r in self.replicas:
-            r.start_reading()
+        self.url = base_url(host, self.sock)
+        self.replicas = start_replicas(size, argv, self.threads, self._key, gpus)
         self.exit_code = 0
         self.stopping = False
         try:
@@ -281,22 +136,17 @@ class DataParallelServer:
 
     # ------------------------------------------------------------------ starting and stopping
     def _await_replicas(self) -> None:
-        """Until every replica listens; reads the block size and batch size they report."""
+        """Until every replica listens; reads the block size and batch size they report (/server_info)."""
         for r in self.replicas:
-            while not r.ready.wait(0.5):
-                pass
-            if r.url is None:
-                r.wait(5)
-                lines = "\n  ".join(r.tail) or "(no output)"
-                raise RuntimeError(f"{r.name} did not start: it {r.status()}; its last output:\n  {lines}")
+            r.wait_listening()
         configs = set()
         for r in self.replicas:
-            page = httpx.get(f"{r.url}/metrics", headers=self._auth, timeout=30).text
-            found = re.search(r'nanoengine_cache_config_info\{([^}]*)\}', page)
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1))) if found else {}
-            configs.add((int(labels.get("block_size", 0)), int(labels.get("max_num_seqs", 0))))
-        if len(configs) != 1 or 0 in next(iter(configs)):
-            raise RuntimeError(f"the replicas report different or no KV block sizes: {sorted(configs)}")
+            got = httpx.get(f"{r.url}/server_info", headers=self._auth, timeout=30)
+            if got.status_code != 200:
+                raise RuntimeError(f"{r.name} answered GET /server_info with {got.status_code}: {got.text}")
+            configs.add((got.json()["block_size"], got.json()["max_num_seqs"]))
+        if len(configs) != 1:
+            raise RuntimeError(f"the replicas report different KV block or batch sizes: {sorted(configs)}")
         self.block_size, self.max_num_seqs = next(iter(configs))
 
     def describe(self) -> str:
@@ -378,13 +228,13 @@ class DataParallelServer:
     async def forward(self, request: Request, path: str) -> Response:
         if self.stopping or not self.router.num_up:
             self.metrics.on_refused("unavailable")
-            return error_response(503, self.why_not_serving(), kind="service_unavailable")
+            return service_unavailable(self.why_not_serving())
         body = await request.body()
         try:
             choice = self.router.choose(self.block_hashes(path, body))
         except NoReplicaError:
             self.metrics.on_refused("unavailable")
-            return error_response(503, self.why_not_serving(), kind="service_unavailable")
+            return service_unavailable(self.why_not_serving())
         r = self.replicas[choice.replica]
         self.metrics.routed.labels(replica=str(r.index), reason=choice.reason).inc()
         self.router.start(r.index)
@@ -403,23 +253,22 @@ class DataParallelServer:
             upstream = await unless_gone(send, request)
         except httpx.TransportError as e:
             finish()
-            return self.unavailable(await self.lost(r, e))
+            return service_unavailable(await self.lost(r, e), retry_after=0)
         if upstream is None:  # the client left: the cancelled send closed its connection; the replica aborts
             finish()
-            return Response(status_code=499)
+            return client_gone()
         mine = {REPLICA_HEADER: str(r.index)}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(self.relay(upstream, r, finish), status_code=upstream.status_code,
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, **mine})
+            return sse_response(self.relay(upstream, r, finish), upstream.status_code, headers=mine)
         try:
             content = await unless_gone(upstream.aread(), request)
         except httpx.TransportError as e:
-            return self.unavailable(await self.lost(r, e))
+            return service_unavailable(await self.lost(r, e), retry_after=0)
         finally:
             await upstream.aclose()  # a client that left: the replica sees its connection close, and aborts
             finish()
         if content is None:
-            return Response(status_code=499)  # nobody reads it
+            return client_gone()
         kept = {k: upstream.headers[k] for k in PASSED_ON if k in upstream.headers}
         return Response(content, upstream.status_code, headers={**kept, **mine},
                         media_type=upstream.headers.get("content-type"))
@@ -435,21 +284,14 @@ class DataParallelServer:
                 yield chunk
         except httpx.TransportError as e:
             tail = "" if ended else "\n\n"
-            yield (tail + error_chunk(await self.lost(r, e), "service_unavailable", 503)
-                   + "data: [DONE]\n\n").encode()
+            yield (tail + error_chunk(await self.lost(r, e), "service_unavailable", 503) + DONE).encode()
         finally:
             await upstream.aclose()
             finish()
 
-    @staticmethod
-    def unavailable(message: str) -> Response:
-        """503 for a request its replica lost: the client may retry it at once (another replica takes it)."""
-        response = error_response(503, message, kind="service_unavailable")
-        response.headers["Retry-After"] = "0"
-        return response
-
     async def lost(self, r: Replica, error: Exception) -> str:
-        """A request's connection to replica r broke: why, for its client (and r marked down if it exited)."""
+        """A request's connection to replica r broke: why, for its client (and r marked down if it exited).
+        Its 503 says Retry-After: 0: another replica takes the request at once."""
         self.metrics.lost.labels(replica=str(r.index)).inc()
         deadline = time.monotonic() + EXIT_WAIT_S
         while r.status() is None and time.monotonic() < deadline:
@@ -467,7 +309,7 @@ class DataParallelServer:
         try:
             got = await self.client.get(r.url + path, params=params, headers=self._auth)
         except httpx.TransportError as e:
-            return self.unavailable(await self.lost(r, e))
+            return service_unavailable(await self.lost(r, e), retry_after=0)
         return Response(got.content, got.status_code, media_type=got.headers.get("content-type"),
                         headers={REPLICA_HEADER: str(r.index)})
 
@@ -477,11 +319,11 @@ class DataParallelServer:
                                      for r in up), return_exceptions=True)
         pages = {r.index: g.text for r, g in zip(up, got) if isinstance(g, httpx.Response)
                  and g.status_code == 200}
-        return generate_latest(_Families(combine_replicas(pages))) + self.metrics.render(self.router)
+        return render_replicas(pages) + self.metrics.render(self.router)
 
     def health(self) -> Response:
         if self.stopping or not self.router.num_up:
-            return error_response(503, self.why_not_serving(), kind="service_unavailable")
+            return service_unavailable(self.why_not_serving())
         replicas = [{"replica": r.index, "pid": r.proc.pid, "up": self.router.up[r.index],
                      "in_flight": self.router.in_flight[r.index], "status": r.status() or "running"}
                     for r in self.replicas]
@@ -519,7 +361,7 @@ class DataParallelServer:
         async def models() -> Response:
             up = [r for r in self.replicas if self.router.up[r.index]]
             if not up:
-                return error_response(503, self.why_not_serving(), kind="service_unavailable")
+                return service_unavailable(self.why_not_serving())
             return await self.get(up[0], "/v1/models")
 
         @app.get("/v1/trace", dependencies=auth)

@@ -5,8 +5,9 @@ hits, preemptions) and the scheduler's queues, and once per finished request fro
 (TTFT, TPOT, end-to-end latency). Each server has its own registry, so several can live in one process.
 Names follow vLLM's where there is one (`nanoengine_` instead of `vllm:`).
 
-`combine_replicas` is the data-parallel front end's page (`data_parallel.py`): every replica's samples with a
-`replica="i"` label, and beside them the total over the replicas (a sum, or as `TOTALS` says).
+The data-parallel front end's page (`data_parallel.py`): `render_replicas` gives every replica's samples with
+a `replica="i"` label, and beside them the total over the replicas (a sum, or as `TOTALS` says); after them
+come the front end's own counters (`FrontMetrics`: routed, lost and refused requests, replicas up).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from nanoengine.serve.router import REASONS, Router
 from nanoengine.trace import StepStats
 
 CACHE_CONFIG = ("block_size", "num_blocks", "enable_prefix_caching", "max_num_seqs")  # its labels
@@ -70,8 +72,7 @@ class ServerMetrics:
         info = Gauge("nanoengine_model_info", "the served model", ["model"], registry=r)
         info.labels(model=model).set(1)
         self.cache_config = Gauge("nanoengine_cache_config_info", "the engine's KV cache and batch as "
-                                  "planned (the data-parallel router reads its block size here)",
-                                  list(CACHE_CONFIG), registry=r)
+                                  "planned", list(CACHE_CONFIG), registry=r)
         self._hits = self._prompt = self._peak = 0
 
     def on_plan(self, plan: Any, num_blocks: int) -> None:
@@ -160,3 +161,51 @@ def combine_replicas(pages: dict[int, str]) -> list[Any]:
                 value = max(values) if rule == "max" else sum(values)
             families[name].add_sample(sample_name, dict(labels), value)
     return list(families.values())
+
+
+class _Families:
+    """Parsed metric families as a registry for generate_latest."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+def render_replicas(pages: dict[int, str]) -> bytes:
+    """The replicas' pages (replica index -> Prometheus text) as one page: `combine_replicas`' families."""
+    return generate_latest(_Families(combine_replicas(pages)))
+
+
+class FrontMetrics:
+    """The front end's own counters (beside the replicas' families on /metrics)."""
+
+    def __init__(self, size: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.routed = Counter("nanoengine_router_requests", "requests sent to each replica, by why "
+                              "(affinity, over_bound, least_loaded, round_robin)", ["replica", "reason"],
+                              registry=r)
+        self.lost = Counter("nanoengine_router_lost_requests", "requests in flight on a replica when it "
+                            "exited or its connection broke", ["replica"], registry=r)
+        self.refused = Counter("nanoengine_router_requests_refused", "requests the front end refused "
+                               "(body_too_large, unavailable)", ["reason"], registry=r)
+        self.in_flight = Gauge("nanoengine_router_in_flight", "requests in flight on each replica",
+                               ["replica"], registry=r)
+        self.up = Gauge("nanoengine_router_replica_up", "1 while the replica runs, 0 once it exited",
+                        ["replica"], registry=r)
+        self.num_up = Gauge("nanoengine_router_replicas_up", "replicas running", registry=r)
+        for i in range(size):
+            for reason in REASONS:
+                self.routed.labels(replica=str(i), reason=reason)
+            self.lost.labels(replica=str(i))
+
+    def on_refused(self, reason: str) -> None:
+        self.refused.labels(reason=reason).inc()
+
+    def render(self, router: Router) -> bytes:
+        for i, (n, up) in enumerate(zip(router.in_flight, router.up)):
+            self.in_flight.labels(replica=str(i)).set(n)
+            self.up.labels(replica=str(i)).set(int(up))
+        self.num_up.set(router.num_up)
+        return generate_latest(self.registry)

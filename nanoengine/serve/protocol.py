@@ -224,6 +224,32 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ServerInfo(BaseModel):
+    """GET /server_info: what the engine was planned with (vLLM has this route too). The data-parallel front
+    end reads its replicas' block size and batch size here."""
+    model: str  # the served name
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    device: str
+    dtype: str
+    attention_backend: str
+    tensor_parallel_size: int
+    decode_mode: str
+    async_scheduling: bool
+    quantization: str
+
+    @classmethod
+    def of(cls, model_name: str, plan: Any, num_kv_blocks: int) -> ServerInfo:
+        """From the engine's plan (an EnginePlan) and its KV pool."""
+        planned = {name: getattr(plan, name) for name in cls.model_fields if hasattr(plan, name)}
+        return cls(**{**planned, "model": model_name, "num_kv_blocks": num_kv_blocks,
+                      "decode_mode": str(plan.decode_mode)})
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

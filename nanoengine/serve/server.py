@@ -1,6 +1,7 @@
 """The server process: `Server` loads the model's engine, starts its thread, builds the app (`routes.py`) and
-runs uvicorn on a bound socket (clean shutdown): `run()` in the foreground (`nanoengine serve`, through
-`serve()`) or `start()` / `with Server(...)` from a background thread (the book). Chapter 05 (appendix).
+runs uvicorn on a bound socket (clean shutdown: `http.py`): `run()` in the foreground (`nanoengine serve`,
+through `serve()`) or `start()` / `with Server(...)` from a background thread (the book). Chapter 05
+(appendix).
 
 Shutdown (SIGINT/SIGTERM): new requests get 503, the in-flight ones have `shutdown_grace_s` to finish, then
 are aborted (their streams end with finish_reason "abort"), and the process exits with status 0. An engine
@@ -9,14 +10,9 @@ step that raises ends the server too: the requests in flight get the error (500)
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
-import signal
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
@@ -24,45 +20,10 @@ import uvicorn
 
 from nanoengine.distributed import launcher
 from nanoengine.serve.async_engine import AsyncEngine
+from nanoengine.serve.http import ShutdownUvicorn, base_url, bind_socket, check_access
 from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.protocol import ProtocolError
 from nanoengine.serve.routes import build_app
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: one the OS picks), so the printed address is the real one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ProtocolError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
-                            "(0 lets the OS choose)", "port") from e
-    sock.listen(2048)
-    return sock
-
-
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach `host` (127.0.0.1, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
-def check_access(host: str, api_key: str | None, protect_metrics: bool) -> list[str]:
-    """Checks the API key settings; returns the warnings to print (an open port reachable from elsewhere)."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ProtocolError("api_key must be a non-empty string (or None for no key)", "api_key")
-    if protect_metrics and api_key is None:
-        raise ProtocolError("protect_metrics needs an api_key to protect /metrics with", "protect_metrics")
-    return [] if api_key or is_loopback(host) else [
-        f"serving on {host}, reachable from other machines, without an API key: anyone who can reach the "
-        "port can use the model; pass --api-key (or set NANOENGINE_API_KEY)"]
 
 
 class Server:
@@ -103,15 +64,15 @@ class Server:
         prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
         self.name = served_model_name or str(model)
         self.exit_code = 0  # 1 once the engine failed
-        self.engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace, limits=limits,
-                                  on_fatal=self._on_engine_failure)
-        app = build_app(self.engine, self.name, api_key, protect_metrics)
+        self.async_engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace, limits=limits,
+                                        on_fatal=self._on_engine_failure)
+        app = build_app(self.async_engine, self.name, api_key, protect_metrics)
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
         self.grace_s = shutdown_grace_s
-        self.uvicorn = ShutdownUvicorn(config, on_exit=lambda: self.engine.begin_shutdown(shutdown_grace_s))
-        url_host = f"[{host}]" if ":" in host else host
-        self.url = f"http://{url_host}:{self.sock.getsockname()[1]}/v1"  # what the openai client takes
+        self.uvicorn = ShutdownUvicorn(config,
+                                       on_exit=lambda: self.async_engine.begin_shutdown(shutdown_grace_s))
+        self.url = base_url(host, self.sock)
         self._thread: threading.Thread | None = None
 
     def describe(self) -> str:
@@ -151,13 +112,13 @@ class Server:
         """As SIGTERM does: no new requests, the running ones get the grace period, then uvicorn exits."""
         if self._thread is None:
             return
-        self.engine.begin_shutdown(self.grace_s)
+        self.async_engine.begin_shutdown(self.grace_s)
         self.uvicorn.should_exit = True
         self._thread.join(self.grace_s + 10)
         self._thread = None
 
     def _close(self) -> None:
-        self.engine.stop()
+        self.async_engine.stop()
         self.llm_engine.close()
         self.sock.close()
 
@@ -176,35 +137,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **options: Any)
     for warning in server.warnings:
         print(f"nanoengine serve: warning: {warning}", file=sys.stderr, flush=True)
     code = server.run()
-    if server.engine.failure is not None:
-        print(f"nanoengine serve: the engine failed ({server.engine.failure}); exiting with status {code}",
-              file=sys.stderr, flush=True)
+    if (failure := server.async_engine.failure) is not None:
+        print(f"nanoengine serve: the engine failed ({failure}); exiting with status {code}", file=sys.stderr,
+              flush=True)
     print("nanoengine serve: stopped", file=sys.stderr, flush=True)
     return code
-
-
-class ShutdownUvicorn(uvicorn.Server):
-    """uvicorn's Server, calling `on_exit` on SIGINT/SIGTERM (the engine stops taking requests and aborts the
-    in-flight ones after the grace period; the data-parallel front end stops its replicas) before its own
-    graceful shutdown; a second SIGINT exits at once (uvicorn's rule)."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
-        super().__init__(config)
-        self.on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self.on_exit()
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """As uvicorn's, without re-raising the signal after the clean shutdown (so the exit status is 0)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        handlers = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)

@@ -153,7 +153,7 @@ SIZE = 2
 @pytest.fixture(scope="module")
 def ranks(ex, tmp_path_factory):
     from nanoengine.distributed.spawn import RankFailure, run_on_ranks
-    from nanoengine.distributed.workers import WorkerError
+    from nanoengine.errors import WorkerError
 
     progress = str(tmp_path_factory.mktemp("ch07_ranks") / "rank")
     try:

@@ -1,0 +1,143 @@
+"""What the HTTP handlers and the engine thread (`async_engine.py`) pass each other. Chapter 05 (appendix).
+
+- to the engine thread, on its command queue: `AddRequests` (a request's prompts, or its conversation),
+  `Abort` (a client that went away), `Call` (a function to run on the engine between steps), `Wake` (look at
+  the shutdown flags now);
+- back to a handler, on its request's `RequestStream`: `Delta(index, text)` for new text,
+  `ChoiceDone(index, finish_reason, stop_reason)` when a completion finishes, `RequestDone` when one prompt's
+  request has (with its RequestOutput), or `Failed` with the error its handler raises;
+- the two errors a handler may get beside the engine's own: `ServerBusyError` (HTTP 503) and
+  `EngineStepError` (HTTP 500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nanoengine.outputs import RequestOutput
+from nanoengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
+    from nanoengine.engine.llm_engine import LLMEngine
+
+
+class ServerBusyError(RuntimeError):
+    """The server is shutting down, or its engine thread is gone, or its queue is full (HTTP 503; with
+    `retry_after` seconds, a Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStepError(RuntimeError):
+    """The engine raised while stepping; every request in flight was aborted (HTTP 500)."""
+
+
+# ------------------------------------------------------------------ a request's events (engine -> handler)
+@dataclass
+class Delta:
+    index: int  # choice index: prompt number * n + completion number
+    text: str
+
+
+@dataclass
+class ChoiceDone:
+    index: int
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestDone:
+    prompt_index: int
+    output: RequestOutput
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+Event = Delta | ChoiceDone  # what a handler reads from `RequestStream.events()`
+
+
+@dataclass
+class RequestStream:
+    """A handler's side of one HTTP request (one or more prompts, n completions each)."""
+
+    request_id: str
+    num_prompts: int
+    n: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future | None = None
+    outputs: list[RequestOutput | None] = field(default_factory=list)
+    done: bool = False
+    request_ids: list[str] = field(default_factory=list)  # its engine requests (engine thread)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.loop.create_future()
+        self.outputs = [None] * self.num_prompts
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Deltas and finished choices until every prompt's request is done; an engine failure raises."""
+        remaining = self.num_prompts
+        while remaining:
+            ev = await self.queue.get()
+            if isinstance(ev, RequestDone):
+                self.outputs[ev.prompt_index] = ev.output
+                remaining -= 1
+            elif isinstance(ev, Failed):
+                self.done = True
+                raise ev.error
+            else:
+                yield ev
+        self.done = True
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """OpenAI's usage: prompt tokens once per prompt, completion tokens over every choice."""
+        outs = [o for o in self.outputs if o is not None]
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ------------------------------------------------------------------ the commands (handler -> engine thread)
+@dataclass
+class AddRequests:
+    """One engine request per prompt, or one for the conversation (a chat), answered on stream.accepted."""
+    stream: RequestStream
+    prompts: list[Any]
+    params: SamplingParams
+    conversation: list[dict] | None
+    arrival: float  # time.perf_counter() when the HTTP request came in
+
+    @property
+    def answer(self) -> asyncio.Future:
+        return self.stream.accepted
+
+
+@dataclass
+class Abort:
+    """Abort whatever of the stream's requests still runs (its client went away)."""
+    stream: RequestStream
+
+
+@dataclass
+class Call:
+    """fn(llm_engine) between steps; its result (or error) is the answer its caller awaits."""
+    fn: Callable[[LLMEngine], Any]
+    answer: asyncio.Future
+
+
+@dataclass
+class Wake:
+    """Nothing to run: the engine thread looks at its shutdown and stop flags at once."""
+
+
+Command = AddRequests | Abort | Call | Wake
