@@ -52,13 +52,14 @@ def test_a_decode_step_makes_no_host_sync_from_schedule_to_graph_replay():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launched = eng.launch()  # step N+1, its ids read from step N's tokens on the device
+        # step N+1, its ids read from step N's tokens on the device
+        launched = eng.launch(eng.scheduler.schedule())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sum(runner.graphs.replays.values()) == replays + 1
     eng.finish(eng.in_flight)  # step N, then N+1, in order
-    eng.in_flight = launched
-    eng.drain()
+    eng.finish(launched)
+    eng.in_flight = None
     while eng.has_unfinished():
         eng.step()
 

@@ -52,12 +52,13 @@ def stand_in(max_num_seqs: int = 20, max_blocks: int = 12, calls: list | None = 
     return g
 
 
-def check_static_buffers(graphs: DecodeGraphs, seqs: list[Sequence], bs: int, block_size: int) -> None:
+def check_static_buffers(graphs: DecodeGraphs, seqs: list[Sequence], bs: int, block_size: int,
+                         pos: list[int] | None = None) -> None:
     """The static buffers of a bucket-`bs` replay against the sequences themselves: each row's token,
-    position, slot, context and whole block table, then padding rows (slot -1, context 0, no block), and no
-    block id past the step's widest table in any row."""
+    position (`pos`, default: each one's num_computed_tokens), slot, context and whole block table, then
+    padding rows (slot -1, context 0, no block), and no block id past the step's widest table in any row."""
     n = len(seqs)
-    pos = [s.num_computed_tokens for s in seqs]
+    pos = [s.num_computed_tokens for s in seqs] if pos is None else pos
     assert graphs.input_ids[:bs].tolist() == [s.token_ids[p] for s, p in zip(seqs, pos)] + [0] * (bs - n)
     assert graphs.positions[:bs].tolist() == pos + [0] * (bs - n)
     slots = [-1 if p < s.num_cached_tokens else s.block_table[p // block_size] * block_size + p % block_size
@@ -180,13 +181,13 @@ def generate(batches: list[list[str]], params, checked: bool = False, **options)
         build, load = engine.inputs.build, runner.graphs.load
 
         def build_and_remember(scheduled):
-            built = build(scheduled)
-            step["seqs"] = list(built.sample_seqs)  # a decode-only step samples every row, in order
-            return built
+            step["seqs"] = [s.seq for s in scheduled]  # (a decode-only step keeps the scheduled order)
+            step["pos"] = [s.start for s in scheduled]  # (committed: num_computed_tokens counts the step)
+            return build(scheduled)
 
         def load_and_check(inp):
             bucket = load(inp)
-            check_static_buffers(runner.graphs, step["seqs"], bucket, llm.plan.block_size)
+            check_static_buffers(runner.graphs, step["seqs"], bucket, llm.plan.block_size, step["pos"])
             return bucket
 
         # this test's instruments

@@ -408,7 +408,7 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     assert any(st.num_preempted for st in eng.stats), "the 10-block pool should preempt"
     assert any(st.cache_hit_tokens for st in eng.stats), "the shared prompts should hit the prefix cache"
     assert eng.block_manager.num_free_blocks == 10
-    assert eng.speculator.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool: all back too
+    assert eng.speculator.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool too
     sampled = [SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)] * 2
     runs = [[o.outputs[0].token_ids for o in spec.generate(prompts[:2], sampled, use_tqdm=False)]
             for _ in range(2)]

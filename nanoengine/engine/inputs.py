@@ -145,7 +145,7 @@ class InputBuilder:
         self.turn = 0  # the set the next step is built in
         self.host = self.sets[0]
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self.last_sample_seqs: list[Sequence] = []  # the last built step's sampled rows: its tokens are pending
+        self.last_sample_seqs: list[Sequence] = []  # the last built step's sampled rows (its tokens: pending)
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
@@ -235,7 +235,7 @@ class InputBuilder:
         host.sample_rows[:len(sample_rows)] = sample_rows
         rows = host.sample_rows_t[:len(sample_rows)]
         nd = len(row_seqs)
-        prev = len(self.last_sample_seqs) if prev_rows is not None else 0  # (only a decode's input is pending)
+        prev = len(self.last_sample_seqs) if prev_rows is not None else 0  # (only a decode's input pends)
         self.last_sample_seqs = sample_seqs
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)

@@ -179,7 +179,7 @@ class LLMEngine:
 
     def launch(self, out: SchedulerOutput, started: float | None = None) -> LaunchedStep:
         """Lay out a committed step's inputs and sampling parameters and start it on the executor (its tokens
-        come back in its ForwardOutput). `started`: when scheduling began (perf_counter), for its StepStats."""
+        come back in its ForwardOutput). `started`: when scheduling began (perf_counter; for StepStats)."""
         scheduled = time.perf_counter()
         started = scheduled if started is None else started
         if not out.scheduled:
@@ -227,16 +227,19 @@ class LLMEngine:
         """The step's StepStats (kept in `stats`) and, with tracing on, its StepTrace."""
         times, clock, forward = step.times, self.start_time, step.forward
         span = forward.span if forward is not None else None
-        stats = StepStats.of(step.scheduled, self.block_manager, clock, schedule_s=times.scheduled - times.started,
+        stats = StepStats.of(step.scheduled, self.block_manager, clock,
+                             schedule_s=times.scheduled - times.started,
                              prepare_s=times.built - times.scheduled,
                              forward_s=(times.launched - times.built) + (t_known - t_wait),
                              postprocess_s=t_end - t_known, detokenize_s=t_end - t_updated,
                              wait_s=t_known - t_wait, end=t_end, started=times.started - clock,
-                             finishing=t_wait - clock, forward_start=None if span is None else span[0] - clock,
-                             forward_end=None if span is None else span[1] - clock, late_rows=update.late_rows)
+                             finishing=t_wait - clock, late_rows=update.late_rows,
+                             forward_start=None if span is None else span[0] - clock,
+                             forward_end=None if span is None else span[1] - clock)
         self.stats.append(stats)
         if self.trace is not None:
-            self.trace.record(step.scheduled, update.finished, stats, self.scheduler.running, self.block_manager)
+            self.trace.record(step.scheduled, update.finished, stats, self.scheduler.running,
+                              self.block_manager)
         self.step_count += 1
         return stats
 

@@ -65,7 +65,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     cache_hits: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, hit tokens) per admitted seq
     blocks_allocated: list[int] = field(default_factory=list)
-    # by preemption here; postprocess adds finished seqs'
+    # by preemption here; update adds finished seqs'
     blocks_freed: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
     # set when the step is committed: the sequences it samples a token for (each brought to its end), in
@@ -149,7 +149,8 @@ class Scheduler:
         self.num_steps += 1
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_new_tokens - len(seq.spec_token_ids)  # drafts: once kept
+            # (drafts count as computed once they are kept: update)
+            seq.num_computed_tokens = s.start + s.num_new_tokens - len(seq.spec_token_ids)
             if seq.num_computed_tokens == seq.num_tokens:
                 pending.hold_place(seq)
                 out.sampled.append(seq)
@@ -275,8 +276,8 @@ class Scheduler:
         drafted = 0 if self.speculator is None else sum(len(seq.spec_token_ids) for seq in out.sampled)
         if len(tokens) != len(out.sampled) + drafted:
             raise InvalidValueError(f"update: got {len(tokens)} tokens for a step that samples "
-                                    f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence of "
-                                    "out.sampled, in order")
+                                    f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence "
+                                    "of out.sampled, in order")
         i = 0
         for seq in out.sampled:
             drafts = seq.spec_token_ids

@@ -6,8 +6,8 @@ Plain Python: token ids, how many of them already have their K/V in the cache
 `token_ids` holds the tokens the host knows. A token sampled by a launched step whose result the host has not
 read yet (overlap scheduling, chapter 06) is *pending*: it is counted (`num_pending_tokens`, and so in
 `num_tokens`, which is what scheduling reads) but has no id here; the next step reads it on the device
-(nanoengine/engine/pending.py gathers every rule about pending tokens). Without overlap a token is pending only
-between the scheduler committing a step and the step's update, which puts it in place.
+(nanoengine/engine/pending.py gathers every rule about pending tokens). Without overlap a token is pending
+only between the scheduler committing a step and the step's update, which puts it in place.
 
 Speculative decoding (chapter 09) keeps a step's drafted tokens apart, in `spec_token_ids`: they are computed
 with the step (1 + k new tokens) but are never in `token_ids` until the model accepted them, so nothing that

@@ -3,8 +3,8 @@ a Sampler that draws with your `sample` (with your filter chain).
 
 Your `schedule(sched)` already works on the engine's Scheduler state (its queues, budget and block manager),
 so the subclass calls it as its `pick` (who runs and how many tokens each); the scheduler then commits your
-SchedulerOutput, and the engine builds the inputs, runs the model and updates the sequences as it does with its
-own. The sampler hands your `sample` each row's parameters as lists (top-k
+SchedulerOutput, and the engine builds the inputs, runs the model and updates the sequences as it does with
+its own. The sampler hands your `sample` each row's parameters as lists (top-k
 -1, top-p 1.0 and min-p 0.0 when a row does not filter) and the engine's generators.
 """
 

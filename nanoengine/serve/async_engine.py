@@ -58,6 +58,7 @@ from nanoengine.trace import RunTrace
 if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
     from nanoengine.engine.llm_engine import LLMEngine
     from nanoengine.engine.request import Request
+    from nanoengine.engine.step import StepResult
 
 log = logging.getLogger("nanoengine.serve")
 flag = ServerLimits.flag  # a limit's `nanoengine serve` flag, for messages
@@ -89,7 +90,7 @@ class AsyncEngine:
         # first-token deadlines in arrival order, with the request ids only: a finished stream is not kept
         self._deadlines: deque[tuple[float, list[str]]] = deque()
         self.metrics = metrics or ServerMetrics(llm_engine.config.model)
-        self.metrics.on_plan(llm_engine.plan, llm_engine.block_manager.num_blocks)
+        self.metrics.on_plan(llm_engine.plan, llm_engine.load().num_blocks)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -209,16 +210,14 @@ class AsyncEngine:
                 self._publish(None)
                 continue
             try:
-                steps = eng.step_count
                 calls += 1
                 if self._fault is not None and calls == self._fault[1]:
                     raise self._fault[0](f"injected by {FAULT_ENV} at step {calls}")
-                deltas = eng.step()
+                result = eng.step()
             except Exception as e:  # noqa: BLE001 - fatal: every request in flight gets the error, then exit
                 self._fail(e)
                 break
-            # (with overlap a call may launch a step and finish none: nothing to publish yet)
-            self._publish(eng.stats[-1] if eng.step_count > steps else None, deltas)
+            self._publish(result)  # (with overlap a call may launch a step and finish none: stats None)
         if self.failure is None:
             self._abort_all(None)
         self._refuse_pending()
@@ -299,7 +298,7 @@ class AsyncEngine:
                 f"a prompt of {longest} tokens is longer than this server takes ({flag('max_prompt_tokens')} "
                 f"{limits.max_prompt_tokens}); shorten it", "prompt" if conversation is None else "messages"))
             return
-        waiting, new = len(eng.scheduler.waiting), len(reqs) * params.n
+        waiting, new = eng.load().num_waiting, len(reqs) * params.n
         if limits.max_queued_seqs is not None and waiting + new > limits.max_queued_seqs:
             self.metrics.on_refused("queue_full")
             self._resolve(stream.accepted, error=ServerBusyError(
@@ -355,16 +354,16 @@ class AsyncEngine:
         self.metrics.on_finished(reason, req.metrics)
         return out
 
-    def _publish(self, stats: Any, deltas: list[tuple[Request, int, str]] = ()) -> None:
-        """After a step (its stats and text deltas) or idle: send every stream its new events, update the
-        metrics."""
+    def _publish(self, result: StepResult | None = None) -> None:
+        """After a step (its StepResult) or idle: send every stream its new events, update the metrics."""
         eng, batch = self.llm_engine, []
+        stats = None if result is None else result.stats
         if stats is not None:
             texts: dict[str, list[tuple[int, str]]] = {}
-            for req, index, text in deltas:
+            for req, index, text in result.deltas:
                 texts.setdefault(req.request_id, []).append((index, text))
             # only the requests this step touched: a long queue costs nothing here
-            touched = dict.fromkeys([*texts, *(seq.request_id for seq, _ in eng.last_sampled)])
+            touched = dict.fromkeys([*texts, *(seq.request_id for seq, _ in result.sampled)])
             for rid in touched:
                 live = self._live.get(rid)
                 if live is None:  # aborted meanwhile
@@ -379,9 +378,8 @@ class AsyncEngine:
             if eng.trace is not None and len(eng.trace.steps) >= MAX_TRACE_STEPS:
                 log.warning("nanoengine serve: the trace reached %d steps; it stops recording",
                             MAX_TRACE_STEPS)
-                eng.trace = None
-        sch, bm = eng.scheduler, eng.block_manager
-        self.metrics.on_step(stats, len(sch.running), len(sch.waiting), bm.num_used_blocks, bm.num_blocks)
+                eng.stop_trace()
+        self.metrics.on_step(stats, *eng.load())
 
     def _events(self, live: _Live, texts: Any) -> list[Any]:
         """One request's new text (the engine's deltas) and newly finished choices, in that order."""

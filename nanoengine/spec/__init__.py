@@ -22,7 +22,7 @@ from nanoengine.spec.verify import SpecCounts, accepted_tokens
 
 
 class Speculator:
-    """Speculative decoding's two steps, for the scheduler: drafts before the forward, the kept tokens after."""
+    """Speculative decoding's two steps, for the scheduler: drafts before the forward, kept tokens after."""
 
     def __init__(self, proposer: Proposer,
                  accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens) -> None:
@@ -45,11 +45,12 @@ class Speculator:
             self.proposer.close()
 
 
-def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int, ngram_class: type = NgramProposer,
+def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
+                    ngram_class: type = NgramProposer,
                     accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens,
                     build_engine: Callable[..., Any] | None = None) -> Speculator | None:
-    """The Speculator a SpeculativeConfig asks for (None without one), with `accept` (the engine's rule, or the
-    learner's from chapter 09) and its proposer (`make_proposer`)."""
+    """The Speculator a SpeculativeConfig asks for (None without one), with `accept` (the engine's rule, or
+    the learner's from chapter 09) and its proposer (`make_proposer`)."""
     if spec is None:
         return None
     return Speculator(make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine), accept)

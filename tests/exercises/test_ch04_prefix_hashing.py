@@ -373,7 +373,7 @@ def engine_admit(bm: BlockManager, waiting: list, budget: int) -> list:
     """The scheduler's admission pass over `waiting`, with nothing running: [(seq, num_new_tokens)]."""
     sched = Scheduler(bm, set(), max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
     sched.waiting = deque(waiting)
-    return [(s.seq, s.num_new_tokens) for s in sched.schedule().scheduled]
+    return [(s.seq, s.num_new_tokens) for s in sched.pick().scheduled]  # (the policy, before its commit)
 
 
 def variant_admit(bm: BlockManager, waiting: list, budget: int, mode: str) -> list:
