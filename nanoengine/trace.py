@@ -49,10 +49,10 @@ class StepStats:
 
     @classmethod
     def of(cls, out: Any, block_manager: Any, clock_start: float, end: float, **times: Any) -> StepStats:
-        """The numbers of one step from its SchedulerOutput, the block manager after it, and its times (the
-        `*_s` fields, and the moments already on the engine's clock; `end` is perf_counter, the engine's clock
-        started at clock_start)."""
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        """The numbers of one step from its (committed) SchedulerOutput, the block manager after it, and its
+        times (the `*_s` fields, and the moments already on the engine's clock; `end` is perf_counter, the
+        engine's clock started at clock_start)."""
+        prefill = out.num_prefill_tokens
         return cls(num_seqs=len(out.scheduled), prefill_tokens=prefill,
                    decode_tokens=out.num_batched_tokens - prefill,
                    used_blocks=block_manager.num_used_blocks, num_blocks=block_manager.num_blocks,

@@ -165,23 +165,26 @@ class InputBuilder:
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
         prev_rows = None  # seq_id -> its row in the step before's tokens, once a pending input needs it
+        add_id, add_pos, add_slot, add_len, add_row = (ids.append, positions.append, slots.append,
+                                                       table_lens.append, row_seqs.append)
         for s in decodes:
             seq = s.seq
             pos = s.start
             table = seq.block_table
-            known = len(seq.token_ids)
+            token_ids = seq.token_ids
+            known = len(token_ids)
             if s.num_new_tokens == 1:
                 if pos < known:
-                    ids.append(seq.token_ids[pos])
+                    add_id(token_ids[pos])
                 else:  # its input is the token the step in flight samples for it
                     if prev_rows is None:
                         prev_rows = {x.seq_id: row for row, x in enumerate(self.last_sample_seqs)}
-                    ids.append(pending.input_id(prev_rows[seq.seq_id]))
-                positions.append(pos)
-                slots.append(-1 if pos < seq.num_cached_tokens
-                             else table[pos // block_size] * block_size + pos % block_size)
-                table_lens.append(len(table))
-                row_seqs.append(seq)
+                    add_id(pending.input_id(prev_rows[seq.seq_id]))
+                add_pos(pos)
+                add_slot(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
+                         + pos % block_size)
+                add_len(len(table))
+                add_row(seq)
                 if pos + 1 >= known:  # it reaches its end: its next token is sampled
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)

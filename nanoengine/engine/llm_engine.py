@@ -201,19 +201,25 @@ class LLMEngine:
         t_known = time.perf_counter()
         update = self.scheduler.update(step.scheduled, tokens)
         t_updated = time.perf_counter()
-        deltas = self.detokenize(update)
+        deltas = self.detokenize(update, t_known)
         t_end = time.perf_counter()
-        finished = self.note_times(step, update, t_known, t_end)
+        finished = self.note_times(step, update, t_end)
         stats = self.record(step, update, t_wait, t_known, t_updated, t_end)
         return StepResult(deltas, update.appended, finished, stats)
 
-    def detokenize(self, update: StepUpdate) -> list[TextDelta]:
+    def detokenize(self, update: StepUpdate, sampled_at: float) -> list[TextDelta]:
         """Each sequence's new tokens to its Completion: the text deltas. A completion whose text reached a
-        stop string finishes its sequence (the tokens after the one that completed it are dropped)."""
-        deltas = []
+        stop string finishes its sequence (the tokens after the one that completed it are dropped). A
+        request's first token is timed here (`sampled_at`: when the step's tokens reached the host)."""
+        deltas, requests = [], self.requests
         for seq, new in update.appended:
-            req = self.requests[seq.request_id]
+            req = requests[seq.request_id]
+            if len(seq.token_ids) - seq.num_prompt_tokens == len(new):  # its first tokens
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = sampled_at
             completion = req.completions[seq.index]
+            if completion.deferred:  # its text is made once, at the end
+                continue
             delta = completion.push(new, seq.is_finished)
             stop = completion.stop_string
             if stop is not None and self.scheduler.finish(seq, "stop", stop, completion.num_dropped):
@@ -260,20 +266,15 @@ class LLMEngine:
             self.forget_steps([step.scheduled])
             raise
 
-    def note_times(self, step: LaunchedStep, update: StepUpdate, sampled_at: float, now: float
-                   ) -> list[Request]:
-        """Request metrics (first scheduled, first token, finished); finished sequences let go of their
-        sampling state. Returns the requests this step finished."""
-        for s in step.scheduled.scheduled:
+    def note_times(self, step: LaunchedStep, update: StepUpdate, now: float) -> list[Request]:
+        """Request metrics (first scheduled, finished); finished sequences let go of their sampling state.
+        Returns the requests this step finished."""
+        for s in step.scheduled.scheduled if step.scheduled.num_prefill_tokens else ():
             if not s.is_prefill:  # a decode was scheduled before
                 continue
             req = self.requests.get(s.seq.request_id)  # None: aborted while the step ran
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = step.times.scheduled
-        for seq, _ in update.appended:
-            metrics = self.requests[seq.request_id].metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = sampled_at
         done = []
         for seq in update.finished:
             self.sampling.release(seq)

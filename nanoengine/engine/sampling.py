@@ -21,15 +21,14 @@ class SamplingBatcher:
         self.vocab_size = vocab_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator (seeded requests)
-        self.last_ids: list[int] = []  # the sequences of the last batch laid out, and that batch
+        self.last_seqs: list[Sequence] = []  # the sequences of the last batch laid out, and that batch
         self.last_batch: SamplingBatch | None = None
 
     def batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The SamplingBatch of a step's sampled rows (one per entry of `seqs`), on the logits' device."""
-        ids = [s.seq_id for s in seqs]
-        if ids != self.last_ids:  # decode steps mostly sample the same sequences as the step before
-            self.last_ids, self.last_batch = ids, self.layout(seqs)
-        return self.last_batch
+        if seqs != self.last_seqs:  # decode steps mostly sample the same sequences as the step before
+            self.last_seqs, self.last_batch = seqs, self.layout(seqs)  # (compared by identity: Sequence has
+        return self.last_batch  # no __eq__)
 
     def layout(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
@@ -55,10 +54,11 @@ class SamplingBatcher:
             top_ps=rows([p.top_p for p in params], torch.float32) if any_p else None,
             min_ps=rows([p.min_p for p in params], torch.float32) if any_min_p else None,
             generators=gens, all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
         )
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's sampling state."""
         self.generators.pop(seq.seq_id, None)
-        if seq.seq_id in self.last_ids:
-            self.last_ids, self.last_batch = [], None
+        if seq in self.last_seqs:
+            self.last_seqs, self.last_batch = [], None

@@ -47,16 +47,17 @@ if TYPE_CHECKING:
 SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     is_prefill: bool  # seq.is_prefill before this step
-    start: int = -1  # the first position the step computes (seq.num_computed_tokens when it was scheduled)
+    start: int  # the first position the step computes (seq.num_computed_tokens when it was scheduled)
 
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            self.start = self.seq.num_computed_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int, is_prefill: bool,
+                 start: int | None = None) -> None:
+        self.seq, self.num_new_tokens, self.is_prefill = seq, num_new_tokens, is_prefill
+        self.start = seq.num_computed_tokens if start is None else start
 
 
 @dataclass
@@ -69,8 +70,10 @@ class SchedulerOutput:
     blocks_freed: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
     # set when the step is committed: the sequences it samples a token for (each brought to its end), in
-    # scheduled order, as its tokens come back (a verifying sequence's 1 + k in a row); and its number
+    # scheduled order, as its tokens come back (a verifying sequence's 1 + k in a row); its prompt (or
+    # recomputed) tokens, the rest being decodes; and its number
     sampled: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
     step: int = 0
 
 
@@ -147,38 +150,47 @@ class Scheduler:
         out = self.pick()
         out.step = self.num_steps
         self.num_steps += 1
+        sampled, prefill = out.sampled, 0
         for s in out.scheduled:
             seq = s.seq
             # (drafts count as computed once they are kept: update)
-            seq.num_computed_tokens = s.start + s.num_new_tokens - len(seq.spec_token_ids)
-            if seq.num_computed_tokens == seq.num_tokens:
+            seq.num_computed_tokens = computed = s.start + s.num_new_tokens - len(seq.spec_token_ids)
+            if computed == len(seq.token_ids) + seq.num_pending_tokens:  # it reaches its end
                 pending.hold_place(seq)
-                out.sampled.append(seq)
+                sampled.append(seq)
+            if s.is_prefill:
+                prefill += s.num_new_tokens
+        out.num_prefill_tokens = prefill
         return out
 
     def pick(self) -> SchedulerOutput:
         """Who runs this step and how many new tokens each (the policy; chapter 05's Exercise 5.2)."""
         bm = self.block_manager
         out = SchedulerOutput()
+        scheduled = out.scheduled
         budget = self.max_num_batched_tokens
+        block_size = self.block_size
 
-        # 1) running sequences, oldest first: decodes and the rest of chunked prefills
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 1) running sequences, oldest first: decodes and the rest of chunked prefills. This loop runs for
+        #    every sequence of every step: the block manager's arithmetic (blocks_needed, fills_a_block) and
+        #    seq.is_prefill are written out here
+        i, running, speculator = 0, self.running, self.speculator
+        while i < len(running) and budget > 0:
+            seq = running[i]
             computed = seq.num_computed_tokens
-            n = min(seq.num_tokens - computed, budget)
+            total = len(seq.token_ids) + seq.num_pending_tokens  # seq.num_tokens
+            n = total - computed if total - computed < budget else budget
             if n == 0 or (seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            if self.speculator is not None:  # a decode verifies its drafts with it
+            if speculator is not None:  # a decode verifies its drafts with it
                 seq.spec_token_ids = self.drafts(seq, budget) if n == 1 and not seq.num_pending_tokens else []
                 n += len(seq.spec_token_ids)
                 if seq.spec_token_ids and not bm.can_allocate(seq, n):  # no room for them: plain decode
                     seq.spec_token_ids, n = [], 1
-            if bm.blocks_needed(seq, n):  # most decode steps fit in the last block and skip all this
+            if computed + n > len(seq.block_table) * block_size:  # needs blocks: most decodes do not
                 while not bm.can_allocate(seq, n):
-                    victim = self.running.pop()  # the newest; always at index >= i
+                    victim = running.pop()  # the newest; always at index >= i
                     out.blocks_freed += self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is seq:
@@ -186,9 +198,10 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:  # it preempted itself; it was the last one
                     break
                 out.blocks_allocated += bm.allocate(seq, n)
-            if bm.fills_a_block(computed, computed + n):  # a block fills up this step
+            if (computed + n) // block_size > computed // block_size:  # a block fills up this step
                 bm.cache_full_blocks(seq, computed + n)  # hits for later admissions
-            out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
+            is_prefill = total - computed > 1 or computed < seq.num_prompt_tokens
+            scheduled.append(ScheduledSeq(seq, n, is_prefill, computed))
             budget -= n
             i += 1
 
@@ -278,7 +291,7 @@ class Scheduler:
             raise InvalidValueError(f"update: got {len(tokens)} tokens for a step that samples "
                                     f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence "
                                     "of out.sampled, in order")
-        i = 0
+        block_size, appended, i = self.block_size, result.appended, 0
         for seq in out.sampled:
             drafts = seq.spec_token_ids
             new = tokens[i:i + 1 + len(drafts)] if drafts else [tokens[i]]
@@ -290,15 +303,16 @@ class Scheduler:
                 new = self.speculator.verify(drafts, new)
                 seq.num_computed_tokens += len(new) - 1  # the kept drafts' K/V are in the cache
             seq.num_pending_tokens -= 1
-            known = len(seq.token_ids)
+            token_ids = seq.token_ids
+            known = len(token_ids)
             taken = new
             for n, token in enumerate(new, 1):
-                seq.token_ids.append(token)
+                token_ids.append(token)
                 reason, stop_reason = self._stop_reason(seq, token)
                 if reason is not None:
                     taken = new[:n]
                     break
-            if bm.fills_a_block(known, len(seq.token_ids)):  # most decode tokens complete no block
+            if len(token_ids) // block_size > known // block_size:  # most tokens complete no block
                 bm.cache_full_blocks(seq)
             if drafts:
                 self.speculator.counts.add(len(drafts), min(len(taken), len(new) - 1), len(taken), out.step,
@@ -306,7 +320,7 @@ class Scheduler:
                 seq.spec_token_ids = []
                 if reason is None:
                     out.blocks_freed += bm.truncate(seq, seq.num_tokens)  # only rejected drafts wrote them
-            result.appended.append((seq, taken))
+            appended.append((seq, taken))
             if reason is not None:
                 out.blocks_freed += self._finish(seq, reason, stop_reason)
                 result.finished.append(seq)
@@ -316,7 +330,7 @@ class Scheduler:
         """(finish reason, the stop token id that caused it) after `token` was appended;
         (None, None) = go on."""
         sp = seq.sampling_params
-        known = seq.num_known_tokens
+        known = len(seq.token_ids)
         completion = known - seq.num_prompt_tokens
         if completion > sp.min_tokens:
             if token in sp.stop_token_ids:

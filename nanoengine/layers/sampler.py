@@ -25,6 +25,14 @@ class SamplingBatch:
     min_ps: torch.Tensor | None  # [B] fp32 (0 = off)
     generators: list[torch.Generator | None]  # per row; None = the engine's shared generator
     all_greedy: bool
+    any_greedy: bool = True  # some row is greedy (known on the host: asking the device would sync)
+
+    def __post_init__(self) -> None:
+        # what every step that reuses this batch needs, made once: the rows with their own generator, and the
+        # divisors of the logits (the temperatures; 1 for a greedy row, whose argmax is taken anyway)
+        self.seeded = [(i, g) for i, g in enumerate(self.generators) if g is not None]
+        self.divisors = (torch.where(self.temperatures == 0, 1.0, self.temperatures)
+                         if self.any_greedy else self.temperatures)  # [B]
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
@@ -51,10 +59,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks, top_ps, min_ps) -> tor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sampling_cdf(logits: torch.Tensor, temps: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
-    """The cumulative distribution [B, V] of each row after temperature (0 = greedy: scaled by 1, its token is
-    taken by argmax anyway) and the filters; masked tokens add nothing."""
-    scaled = logits / torch.where(temps == 0, 1.0, temps)[:, None]
+def sampling_cdf(logits: torch.Tensor, divisors: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
+    """The cumulative distribution [B, V] of each row after temperature (`divisors`: the temperatures, 1 for a
+    greedy row, whose token is taken by argmax anyway) and the filters; masked tokens add nothing."""
+    scaled = logits / divisors[:, None]
     scaled = apply_top_k_top_p_min_p(scaled, top_ks, top_ps, min_ps)
     return torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
 
@@ -75,16 +83,14 @@ class Sampler:
         # logits [B, V] fp32 -> next token ids [B]
         if batch.all_greedy:
             return logits.argmax(dim=-1)
-        temps = batch.temperatures.to(logits.device)
-        is_greedy = temps == 0
-        cdf = self.cdf(logits, temps, batch.top_ks, batch.top_ps, batch.min_ps)  # [B, V]
+        divisors = batch.divisors.to(logits.device)
+        cdf = self.cdf(logits, divisors, batch.top_ks, batch.top_ps, batch.min_ps)  # [B, V]
         u = torch.rand(cdf.shape[0], generator=self.shared_generator(cdf.device), device=cdf.device)  # [B]
-        for i, gen in enumerate(batch.generators):
-            if gen is not None:  # a seeded request: its own stream, one draw per token
-                u[i] = torch.rand((), generator=gen).item()
+        for i, gen in batch.seeded:  # a seeded request: its own stream, one draw per token
+            u[i] = torch.rand((), generator=gen).item()
         # scale by the last entry (the total, 1 up to rounding) so u never falls past the last allowed token
         target = (u * cdf[:, -1])[:, None]  # [B, 1]
         sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-        if bool(is_greedy.any()):
-            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        if batch.any_greedy:
+            sampled = torch.where(batch.temperatures.to(logits.device) == 0, logits.argmax(dim=-1), sampled)
         return sampled
