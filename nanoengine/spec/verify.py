@@ -54,7 +54,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
 
 class Verification(NamedTuple):
     """One speculating sequence's verification in one engine step."""
-    step: int  # the engine's step_count when it ran
+    step: int  # the step it ran in (SchedulerOutput.step: the steps the scheduler committed before it)
     seq_id: int
     proposed: int  # drafts verified
     accepted: int  # of them kept
