@@ -19,7 +19,7 @@ The scheduler is called twice per step, as in vLLM v1:
   the input builder lays out), and a sequence the step brings to its end holds the place of the token it will
   sample (a pending token: nanoengine/engine/pending.py). So with overlap scheduling the next step can be
   scheduled before this one's tokens are known.
-- `update(out, sample_seqs, tokens)`, after the forward: puts each sampled token in its place (with
+- `update(out, tokens)`, after the forward: puts each sampled token in its place (with
   speculation, the drafts the model's tokens keep and its own next token), caches the blocks they complete,
   applies the stop rules token by token, frees finished sequences' blocks and rolls back the blocks only
   rejected drafts wrote.
