@@ -9,8 +9,8 @@ plan's block count, or on CUDA what is left of `gpu_memory_utilization` after a 
 largest batch (weights + peak activations) and the graphs' memory (measured by capturing the largest bucket
 once); under tensor parallelism the smallest rank's pool wins.
 One step (`execute`): its inputs go to this rank's device (asynchronously from pinned memory on CUDA); a
-decode-only step that the decode path takes runs there, any other step plans the attention once and runs the
-model eagerly; logits are computed only for the sampled rows.
+decode-only step that the decode path takes runs there, any other step prepares the attention once and runs
+the model eagerly; logits are computed only for the sampled rows.
 
 A runner knows nothing of processes: under tensor parallelism (chapter 07) an executor runs one per rank,
 each built with its `TPGroup` (its shard of the model, its own KV heads), and steps them together.
@@ -214,7 +214,7 @@ class ModelRunner:
         return self.eager_forward(inp)
 
     def eager_forward(self, inp: ModelInput) -> torch.Tensor:
-        """Plan the step's attention once, then run the model: hidden states [num_tokens, hidden] (what a
-        graph captures)."""
+        """Prepare the step's attention once (the backend's `prepare`), then run the model: hidden states
+        [num_tokens, hidden] (what a graph captures)."""
         inp.attn.prepared = self.attn_backend.prepare(inp.attn, self.kv_cache_shape)
         return self.model(inp.input_ids, inp.positions, inp.attn)
