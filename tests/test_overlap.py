@@ -134,8 +134,8 @@ class HeldForward(StubExecutor):
 def held_engine(overlap: bool, timeout: float) -> tuple[LLMEngine, HeldForward]:
     held: list[HeldForward] = []
 
-    def executor(plan, num_blocks, seed):
-        held.append(HeldForward(plan, num_blocks, seed, timeout=timeout))
+    def executor(plan, parts, num_blocks, seed):
+        held.append(HeldForward(plan, parts, num_blocks, seed, timeout=timeout))
         return held[0]
 
     class Watching(Scheduler):

@@ -168,8 +168,8 @@ class FakeKVExecutor(StubExecutor):
     slot before it (through the row's block table) plus its token; a sampled row's logits are
     next_logits(prefix)."""
 
-    def __init__(self, plan, num_blocks, seed=0):
-        super().__init__(plan, num_blocks, seed)
+    def __init__(self, plan, parts, num_blocks, seed=0):
+        super().__init__(plan, parts, num_blocks, seed)
         self.block_size = plan.block_size
         self.kv: dict[int, tuple[int, ...]] = {}
         self.recomputed = 0  # K/V written again for the prefix their slot held already

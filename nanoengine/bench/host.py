@@ -40,8 +40,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.engine.executor import Executor
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.engine.parts import assemble
-from nanoengine.layers.sampler import Sampler
+from nanoengine.engine.parts import EngineParts, assemble
 from nanoengine.plan import EnginePlan, resolve_plan
 from nanoengine.tokenizer import load_tokenizer
 from nanoengine.trace import StepStats
@@ -53,10 +52,10 @@ PHASES = ("schedule", "build", "launch", "wait", "update", "detokenize", "other"
 class StubExecutor(Executor):
     """An executor without a model: random logits [num_sampled, STUB_VOCAB] for every step."""
 
-    def __init__(self, plan: EnginePlan, num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, plan: EnginePlan, parts: EngineParts, num_blocks: int, seed: int = 0) -> None:
         self.blocks = num_blocks
         self.generator = torch.Generator().manual_seed(seed)
-        self.sampler = Sampler(plan.seed)  # the engine's draw, over the random logits
+        self.sampler = parts.sampler  # the engine's draw, over the random logits
         self.start_thread(plan)
 
     @property
@@ -83,8 +82,8 @@ class StubExecutor(Executor):
 def stub_engine(model: str, async_scheduling: bool, num_blocks: int, seed: int = 0,
                 executor: Callable[..., Executor] = StubExecutor, scheduler_class: type | None = None,
                 **options: Any) -> LLMEngine:
-    """The real engine loop over a stub executor (`executor(plan, num_blocks, seed)`) with `num_blocks` KV
-    blocks; `options` are engine options (CPU, float32, torch attention by default)."""
+    """The real engine loop over a stub executor (`executor(plan, parts, num_blocks, seed)`) with `num_blocks`
+    KV blocks; `options` are engine options (CPU, float32, torch attention by default)."""
     from transformers import AutoConfig
 
     options = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", **options}
@@ -95,7 +94,7 @@ def stub_engine(model: str, async_scheduling: bool, num_blocks: int, seed: int =
     parts = assemble(plan)
     if scheduler_class is not None:
         parts = dataclasses.replace(parts, scheduler_class=scheduler_class)
-    return LLMEngine(config, plan, parts, executor(plan, num_blocks, seed), load_tokenizer(path))
+    return LLMEngine(config, plan, parts, executor(plan, parts, num_blocks, seed), load_tokenizer(path))
 
 
 def timed_steps(eng: LLMEngine, steps: int) -> tuple[list[float], list[StepStats]]:
