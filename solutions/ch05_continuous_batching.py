@@ -5,6 +5,7 @@ Exercise 5.2: one scheduling step under a token budget.
 Exercise 5.3: flatten a scheduled batch into the model's inputs.
 Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
 Exercise 5.5: sample one token per row, each seeded request from its own generator.
+Exercise 5.6: your own engine: the step loop over your pieces (schedule, inputs, forward, sample, update).
 
 5.1 and 5.2 work on the engine's own objects, so your scheduling step can drive the engine: `sched` is a
 `nanoengine.engine.scheduler.Scheduler` (its `running` list, oldest first; its `waiting` deque; its
@@ -235,16 +236,17 @@ def process_logits(logits: torch.Tensor, temperatures: list[float], top_ks: list
 def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
            min_ps: list[float], generators: list[torch.Generator | None],
            shared_generator: torch.Generator) -> list[int]:
-    """Exercise 5.5: one token per row, drawn exactly as the engine's Sampler draws it.
+    """Exercise 5.5: one token per row, each seeded request from its own generator.
 
-    - If every row is greedy (temperature 0), return each row's argmax and draw nothing.
-    - Otherwise filter with your `process_logits`, take the cumulative sum of the softmax of each row
-      (masked tokens add 0) and draw one uniform u per row: first `torch.rand(B, generator=shared_generator)`
-      for all rows, then every row b with its own generator (a request with a seed) replaces its u with
-      `torch.rand((), generator=generators[b])`. Its tokens then do not depend on the other rows of the batch.
-    - The sampled token is the first index whose cumulative probability exceeds u * (the row's total, its
-      last cumulative value): `torch.searchsorted(cdf, target, right=True)`, at most V - 1.
-    - Greedy rows in a mixed batch take the argmax of their unfiltered logits.
+    - A greedy row (temperature 0) takes the argmax of its raw logits; an all-greedy batch needs no random
+      numbers at all.
+    - Every other row draws its token with the probabilities of the softmax of its filtered logits (your
+      `process_logits`; a masked token has probability 0), using random numbers from its own generator,
+      `generators[b]`, when the request has a seed, and from `shared_generator` when it has none (None). A
+      seeded request's tokens then depend on its seed only, not on the other rows of its batch.
+    The checks judge what you draw, not how: greedy rows, the support, the frequencies of many draws, and a
+    seeded row alone vs in a batch. (The engine's Sampler inverts the cumulative distribution with one
+    uniform number per row; any exact method passes.)
     """
     # BEGIN SOLUTION
     greedy = [t == 0 for t in temperatures]
@@ -260,3 +262,86 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
     argmax = logits.argmax(dim=-1)
     return [int(argmax[b]) if greedy[b] else int(tokens[b]) for b in range(len(greedy))]
     # END SOLUTION
+
+
+class MyEngine:
+    """Your own engine over the engine's model: your step loop, your 5.2 scheduling, your 5.3 inputs, your
+    5.5 sampling. `parts` (`nanoengine.pieces.own_engine.model_parts()`) holds what a loop is written over:
+
+    - `parts.scheduler(max_num_batched_tokens, max_num_seqs, num_blocks)`: a fresh Scheduler, its queues
+      empty and its block manager handing out the model's KV cache blocks (your chapter 04 prefix cache with
+      `model_parts(use_exercises=["ch04"])`);
+    - `parts.logits(flat, scheduled)`: the model's forward over a step your 5.3 laid out, the logits of
+      its sampled rows [len(flat.sample_rows), vocab] in that order.
+    """
+
+    def __init__(self, parts, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
+                 num_blocks: int | None = None, seed: int = 0) -> None:
+        self.parts = parts
+        self.sched = parts.scheduler(max_num_batched_tokens, max_num_seqs, num_blocks)
+        self.shared_generator = torch.Generator().manual_seed(seed)  # draws of the requests without a seed
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's own generator
+
+    def add_request(self, prompt_ids: list[int], params) -> Sequence:
+        """Queue one request (a prompt's token ids and its SamplingParams); returns its Sequence, whose
+        token_ids grow as your steps generate."""
+        seq = Sequence(prompt_ids, params, self.sched.block_size)
+        self.sched.add(seq)
+        if params.seed is not None:
+            self.generators[seq.seq_id] = torch.Generator().manual_seed(params.seed)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Exercise 5.6: one step of your engine; return the sequences it finished.
+
+        1. Schedule with your `schedule(self.sched)` (5.2). It picks the batch and allocates its blocks but
+           does not count the tokens as computed: after it, each scheduled sequence's num_computed_tokens
+           grows by its num_new_tokens (the forward below computes their K/V).
+        2. Lay the batch out with your `build_inputs` (5.3) and run the model: `self.parts.logits(flat,
+           out.scheduled)`. A step whose batch samples no row (only mid-prompt chunks) ends here.
+        3. Draw one token per sampled row with your `sample` (5.5), each row with its sequence's
+           SamplingParams (temperature, top_k, top_p, min_p) and generator (`self.generators`, None for a
+           request without a seed), and `self.shared_generator`.
+        4. Update: append each token to its sequence's token_ids, then ask the stop rules
+           (`self.sched.stop_reason(seq, token)` -> (finish_reason or None, stop token or None)). A sequence
+           that stops is FINISHED with that finish_reason and stop_reason: it leaves `self.sched.running`, its
+           blocks go back (`self.sched.block_manager.free(seq)`), and it forgets its generator.
+        The checks judge behaviour, not your code: greedy tokens equal transformers', the block manager's
+        books balance after every step, a tight pool preempts and gives the same tokens, fewer steps than
+        static batching.
+        """
+        # BEGIN SOLUTION
+        out = schedule(self.sched)
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        flat = build_inputs(out.scheduled, self.sched.block_size)
+        if not flat.sample_rows:
+            return []
+        logits = self.parts.logits(flat, out.scheduled)  # [num_sampled, vocab]
+        by_id = {s.seq.seq_id: s.seq for s in out.scheduled}
+        seqs = [by_id[i] for i in flat.sample_seq_ids]
+        params = [seq.sampling_params for seq in seqs]
+        tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
+                        [p.top_p for p in params], [p.min_p for p in params],
+                        [self.generators.get(seq.seq_id) for seq in seqs], self.shared_generator)
+        finished = []
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(int(token))
+            reason, stop_token = self.sched.stop_reason(seq, int(token))
+            if reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason, seq.stop_reason = reason, stop_token
+                self.sched.running.remove(seq)
+                self.sched.block_manager.free(seq)
+                self.generators.pop(seq.seq_id, None)
+                finished.append(seq)
+        return finished
+        # END SOLUTION
+
+    def generate(self, prompts: list[list[int]], params) -> list[list[int]]:
+        """Run every prompt to the end (one SamplingParams for all, or one each): the generated token ids."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while not all(seq.is_finished for seq in seqs):
+            self.step()
+        return [seq.token_ids[seq.num_prompt_tokens:] for seq in seqs]

@@ -308,7 +308,7 @@ class Scheduler:
             taken = new
             for n, token in enumerate(new, 1):
                 token_ids.append(token)
-                reason, stop_reason = self._stop_reason(seq, token)
+                reason, stop_reason = self.stop_reason(seq, token)
                 if reason is not None:
                     taken = new[:n]
                     break
@@ -326,7 +326,7 @@ class Scheduler:
                 result.finished.append(seq)
         return result
 
-    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    def stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, the stop token id that caused it) after `token` was appended;
         (None, None) = go on."""
         sp = seq.sampling_params
