@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoengine.pieces import IMPL_VARIABLE, default_impl
+
 ROOT = Path(__file__).resolve().parents[1]
 _TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")
 _EXERCISE = re.compile(r"Exercise (\d+)\.(\d+): (.+?)\.?(?:\"\"\"|''')?\s*$")
@@ -244,7 +246,7 @@ def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> Ch
     if one:
         chapter = one.group(1)
     name, files = _chapter_files(chapter)
-    impl = impl or os.environ.get("NANOENGINE_IMPL") or "exercises"
+    impl = impl or default_impl()
     impl_dir = ROOT / impl if impl in ("exercises", "solutions") else Path(impl)
     result = ChapterResult(name, f"{impl}/" if impl in ("exercises", "solutions") else impl,
                            exercises=_exercise_titles(impl_dir, name))
@@ -292,7 +294,7 @@ def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
 
 def _run_pytest(files: list[Path], impl: str, timeout: float) -> tuple[list[TestResult], str]:
     """The chapter's tests in a fresh pytest process: (results, error); error is "" when pytest ran."""
-    env = dict(os.environ, NANOENGINE_IMPL=impl, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    env = dict(os.environ, **{IMPL_VARIABLE: impl}, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
         cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",

@@ -28,6 +28,7 @@ the engine's greedy text on your pieces must equal its text on its own (`pieces/
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,21 @@ def chapters_of(value: Any) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
+IMPL_VARIABLE = "NANOENGINE_IMPL"  # which chapter files the book runs: the test suite sets it to "solutions"
+
+
+def default_impl() -> str:
+    """The chapter files a learner's code is taken from when nothing says: "exercises", or what the
+    NANOENGINE_IMPL variable names ("solutions", or a folder), which is how the test suite runs the book on
+    the reference answers without a line of plumbing in a chapter's cells."""
+    return os.environ.get(IMPL_VARIABLE) or "exercises"
+
+
 def folder_of(exercises_dir: Any) -> Path:
-    """The folder the chapter files come from: exercises/ by default; 'solutions' or 'exercises' by name."""
+    """The folder the chapter files come from: `default_impl()` when None; 'solutions' or 'exercises' by
+    name, or a folder."""
     if exercises_dir is None:
-        return ROOT / "exercises"
+        exercises_dir = default_impl()
     if str(exercises_dir) in ("exercises", "solutions") and not Path(exercises_dir).is_dir():
         return ROOT / str(exercises_dir)
     path = Path(exercises_dir).expanduser().resolve()

@@ -20,6 +20,7 @@ Each failure is an `AssertionError` whose message says what broke and where to l
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -219,9 +220,15 @@ def greedy_params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
 
 
+@functools.lru_cache(maxsize=4)
+def _expected(model_path: str, prompts: tuple[tuple[int, ...], ...], eos: frozenset[int]) -> list[list[int]]:
+    return transformers_greedy(model_path, [list(p) for p in prompts], MAX_TOKENS, set(eos))
+
+
 def expected_tokens(parts: ModelParts, prompts: list[list[int]]) -> list[list[int]]:
+    """Transformers' greedy tokens for the check's prompts (kept for the next check on the same prompts)."""
     engine = parts.llm.engine
-    return transformers_greedy(engine.model_path, prompts, MAX_TOKENS, engine.eos_token_ids)
+    return _expected(str(engine.model_path), tuple(map(tuple, prompts)), frozenset(engine.eos_token_ids))
 
 
 def check_same_tokens(engine_class: type, parts: ModelParts, seed: int | None = None) -> str:

@@ -383,57 +383,50 @@ def engine_flat(scheduled, builder: InputBuilder) -> dict:
 
 
 def variant_flat(scheduled, bs: int, mode: str) -> dict:
-    """The layout with one classic mistake."""
-    if mode == "scheduled_order":
-        decodes, prefills = [], list(scheduled)
-
-    elif mode == "is_prefill_groups":
-        decodes = [s for s in scheduled if not s.is_prefill]
-        prefills = [s for s in scheduled if s.is_prefill]
-    else:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+    """The layout ("engine"), or it with one of 5.3's classic mistakes (FLAT_VARIANTS)."""
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in scheduled if s.num_new_tokens != 1]
     f = {k: [] for k in FLAT_FIELDS}
-    for group in ((prefills, decodes) if mode == "prefills_first" else (decodes, prefills)):
+    for group in (decodes, prefills):
         for s in group:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             if group is prefills:
                 f["prefill_query_starts"].append(len(f["input_ids"]))
                 f["prefill_query_lens"].append(n)
-                f["prefill_context_lens"].append(n if mode == "context_is_chunk" else start + n)
+                f["prefill_context_lens"].append(start + n)
             for pos in range(start, start + n):
                 f["input_ids"].append(seq.token_ids[pos])
                 f["positions"].append(pos - start if mode == "positions_from_zero" else pos)
                 slot = seq.block_table[pos // bs] * bs + pos % bs
-                cached = pos < seq.num_cached_tokens and mode != "write_cached"
-                f["slot_mapping"].append(-1 if cached else slot)
+                f["slot_mapping"].append(-1 if pos < seq.num_cached_tokens else slot)
             if start + n == len(seq.token_ids) or mode == "sample_every_chunk":
                 f["sample_rows"].append(len(f["input_ids"]) - 1)
                 f["sample_seq_ids"].append(seq.seq_id)
     width = max((len(s.seq.block_table) for s in decodes), default=0)
     f["decode_block_tables"] = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-    f["decode_context_lens"] = [s.start + (0 if mode == "context_without_new" else 1) for s in decodes]
+    f["decode_context_lens"] = [s.start + 1 for s in decodes]
     return f
 
 
+# 5.3's own mistakes; the row order, the slots and the context lengths are chapter 03's (3.1 and 3.2 name those)
 FLAT_VARIANTS = {
-    "prefills_first": "laying out the prefill chunks first; the decodes (one new token each) come first, so a "
-                      "decode kernel reads rows 0..num_decodes-1",
-    "scheduled_order": "keeping the scheduler's order; the decodes (one new token) come first, then the "
-                       "prefill chunks, so a decode kernel reads rows 0..num_decodes-1",
-    "is_prefill_groups": "grouping by is_prefill; group by num_new_tokens == 1: a prefill whose prompt hit the "
-                         "prefix cache up to its last token computes one token and is laid out as a decode",
-    "write_cached": "writing K/V for positions a prefix-cache block already holds; their slot is -1 "
-                    "(pos < num_cached_tokens): the shared block must not be written",
     "positions_from_zero": "counting positions from the start of the chunk; a position is the token's index in "
-                           "its sequence (num_computed_tokens + i): RoPE and the slots depend on it",
+                           "its sequence (start + i): RoPE and the slots depend on it",
     "sample_every_chunk": "sampling every sequence; a chunk that stops in the middle of its prompt produces no "
                           "token, only a chunk that reaches the sequence's last token is sampled",
-    "context_without_new": "leaving the new token out of a decode's context length; it attends over "
-                           "num_computed_tokens + 1 tokens, itself included",
-    "context_is_chunk": "giving a prefill chunk only its own length as context; it attends over the cached "
-                        "prefix too: context = num_computed_tokens + num_new_tokens",
 }
+CHAPTER_03_FIELDS = {"slot_mapping": "3.1", "decode_block_tables": "3.2", "decode_context_lens": "3.2",
+                     "prefill_query_starts": "3.2", "prefill_query_lens": "3.2", "prefill_context_lens": "3.2"}
+
+
+def chapter_03_note(got: dict, want: dict) -> str:
+    """Where the first wrong field is one chapter 03 already asked for: say which exercise's rule it is."""
+    field = next((k for k in want if got.get(k) != want[k]), None)
+    if field not in CHAPTER_03_FIELDS and not (field == "input_ids" and sorted(got[field]) == sorted(want[field])):
+        return ""
+    n = CHAPTER_03_FIELDS.get(field, "3.1")
+    return (f" This is Exercise {n}'s rule (the rows: decodes first, then prefill chunks; the slots, -1 under "
+            f"a cached prefix; the context lengths): check(\"{n}\") names the classic mistakes there.")
 
 
 def test_5_3_build_inputs_matches_the_input_builder(ex):
@@ -458,8 +451,9 @@ def test_5_3_build_inputs_matches_the_input_builder(ex):
                 batch = ", ".join(f"seq {s.seq.seq_id}: {s.num_new_tokens} new from {s.start} "
                                   f"(of {len(s.seq.token_ids)}, cached {s.seq.num_cached_tokens})"
                                   for s in out.scheduled)
+                diff = first_difference(got, want)
                 verdict.step(got, want, lambda mode, sc=out.scheduled, bs=bs: variant_flat(sc, bs, mode),
-                             first_difference(got, want), f"build_inputs at step {step} [batch: {batch}]")
+                             diff and diff + chapter_03_note(got, want), f"build_inputs at step {step} [batch: {batch}]")
                 counts["decodes"] += bool(want["decode_context_lens"])
                 counts["chunks"] += bool(want["prefill_query_lens"])
                 counts["minus_one"] += -1 in want["slot_mapping"]
