@@ -84,10 +84,10 @@ def rollback_blocks(bm: Any, block_table: list[int], num_tokens: int) -> list[in
     """Exercise 9.4: after a verification, free the blocks of `block_table` past its first `num_tokens`.
 
     `bm` is the engine's BlockManager: `bm.block_size`, `bm.blocks[b].ref_count`, and `bm.free_block_ids`
-    (an OrderedDict used as an ordered set: assigning `free_block_ids[b] = None` puts b at the back). Keep
-    the blocks that hold tokens 0..num_tokens-1 (ceil(num_tokens / block_size) of them); for each later block,
-    last first, drop one reference, and put a block whose count reaches 0 at the back of the free list.
-    Shorten `block_table` in place and return the blocks that became free, in the order they were freed.
+    (an OrderedDict used as an ordered set: assigning `free_block_ids[b] = None` adds b). Keep the blocks that
+    hold tokens 0..num_tokens-1 (ceil(num_tokens / block_size) of them); for each later block drop one
+    reference, and add a block whose count reaches 0 to the free list. Shorten `block_table` in place and
+    return the blocks that became free (in any order: any free block serves as well as another).
     """
     # BEGIN SOLUTION
     keep = -(-num_tokens // bm.block_size)

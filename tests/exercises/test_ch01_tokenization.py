@@ -1,8 +1,9 @@
 """Exercises of book/01_tokenization.ipynb, checked against the real Qwen3 tokenizer (Hugging Face
-`tokenizers`) and nanoengine's chat prompt and incremental detokenizer. A wrong answer is also compared with
-the classic mistakes (no NFC normalization, decoding each token alone, emitting half a character, decoding
-the whole output every step), so the message can say which one it looks like; each test also checks that
-it names them."""
+`tokenizers`) and nanoengine's chat prompt and incremental detokenizer (its deltas and read offset step by
+step; the prefix offset, a free choice, only within bounds). A wrong answer is also compared with the classic
+mistakes (no NFC normalization, decoding each token alone, emitting half a character, decoding the whole
+output every step, a window that never moves), so the message can say which one it looks like; each test also
+checks that it names them."""
 
 from __future__ import annotations
 
@@ -141,6 +142,17 @@ WHOLE = ("decoding the whole output every step: decode only from prefix_offset o
          "same at token 10,000 as at token 10")
 
 
+WINDOW_SLACK = 8  # tokens of context a prefix_offset may keep beyond the engine's (vLLM starts with 5)
+
+
+def detok_old_prefix(decode, ids, prefix_offset, read_offset):
+    """Right deltas, but the window never moves forward (prefix_offset stays 0): each step's work grows."""
+    prefix_text, new_text = decode(ids[prefix_offset:read_offset]), decode(ids[prefix_offset:])
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return "", prefix_offset, read_offset
+    return new_text[len(prefix_text):], prefix_offset, len(ids)
+
+
 def check_detokenizer(fn, tok, token_bytes, where: str) -> None:
     from nanoengine.tokenizer import IncrementalDetokenizer
 
@@ -168,8 +180,19 @@ def check_detokenizer(fn, tok, token_bytes, where: str) -> None:
             variants = {d: functools.partial(v, engine._decode, ids[: i + 1], prefix, read)
                         for d, v in DETOK_MISTAKES.items()}
             with explained(got, variants):
-                assert_equal(tuple(got) if isinstance(got, (tuple, list)) else got, want_state,
-                             f"(delta, prefix_offset, read_offset) of {what}", where)
+                if not (isinstance(got, (tuple, list)) and len(got) == 3):
+                    raise AssertionError(f"{what}: return (delta, prefix_offset, read_offset), got {got!r} {where}")
+                # the delta and the read offset are the contract (what was emitted, up to which token); the
+                # prefix offset is free within bounds: any window start that keeps each step's work bounded
+                assert_equal((got[0], got[2]), (want_state[0], want_state[2]),
+                             f"(delta, read_offset) of {what}", where)
+                slack = WINDOW_SLACK + (engine.read_offset - engine.prefix_offset)
+                if not (0 <= got[1] <= got[2] and got[2] - got[1] <= slack):
+                    raise AssertionError(
+                        f"{what}: prefix_offset {got[1]} with read_offset {got[2]}: the window the next step "
+                        f"decodes again must start at or before read_offset and at most {slack} tokens before "
+                        f"it (the engine keeps {engine.read_offset - engine.prefix_offset}); move it forward as "
+                        f"you emit, or each step's work grows with the output {where}")
             if longest > i + 1 - prefix:
                 raise AssertionError(f"{what} decoded a window of {longest} tokens; only the "
                                      f"{i + 1 - prefix} from prefix_offset on are needed. This looks like {WHOLE}. "
@@ -191,6 +214,17 @@ def test_1_3_incremental_detokenizer_matches_the_engine(ex, tok, ranks):
     for description, wrong in DETOK_MISTAKES.items():
         assert_detects(lambda fn: check_detokenizer(fn, tok, token_bytes, where), wrong, description)
     assert_detects(lambda fn: check_detokenizer(fn, tok, token_bytes, where), detok_whole, WHOLE)
+    assert_detects(lambda fn: check_detokenizer(fn, tok, token_bytes, where), detok_old_prefix,
+                   "each step's work grows")
+    check_detokenizer(detok_context_kept, tok, token_bytes, where)  # another bounded window passes too
+
+
+def detok_context_kept(decode, ids, prefix_offset, read_offset):
+    """A right answer with another window: it keeps up to 4 tokens of context before read_offset."""
+    prefix_text, new_text = decode(ids[prefix_offset:read_offset]), decode(ids[prefix_offset:])
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return "", prefix_offset, read_offset
+    return new_text[len(prefix_text):], max(prefix_offset, read_offset - 4, 0), len(ids)
 
 
 def random_conversation(rng: random.Random) -> list[dict[str, str]]:
