@@ -71,8 +71,9 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
 
     slot_mapping: your Exercise 3.1, as an int64 tensor. The decodes (one new token; the first rows):
     num_decode_seqs; decode_block_tables [num_decodes, max_blocks] int64, each row the sequence's block table
-    padded with 0 to the longest one; decode_context_lens [num_decodes] int64, the tokens each attends over,
-    the new one included (None and None when there are no decodes). The prefill chunks, as lists in row
+    padded to the longest one (the padding is never read: any block id does; nanoengine uses 0);
+    decode_context_lens [num_decodes] int64, the tokens each attends over, the new one included (None and
+    None when there are no decodes). The prefill chunks, as lists in row
     order: prefill_query_starts (the chunk's first row in the flat batch), prefill_query_lens (its new
     tokens), prefill_context_lens (cached prefix + new tokens), prefill_block_tables (an int64 tensor each).
     """

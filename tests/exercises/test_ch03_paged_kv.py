@@ -147,6 +147,17 @@ def metadata_fields(meta) -> dict:
             "prefill_block_tables": [plain(t) for t in meta.prefill_block_tables], "block_size": meta.block_size}
 
 
+def without_padding(fields: dict, batch) -> dict:
+    """The fields with each decode block table row cut to its sequence's blocks: what pads a row (its value,
+    the width) is never read, so it is the builder's choice (the engine pads with 0 to the longest table)."""
+    tables = fields["decode_block_tables"]
+    if tables is not None and isinstance(tables[0], list):
+        decodes, _ = groups(batch)
+        rows = [row[:len(s.seq.block_table)] for row, s in zip(tables[0], decodes)]
+        fields = {**fields, "decode_block_tables": (rows + tables[0][len(decodes):], tables[1])}
+    return fields
+
+
 def variant_meta(batch, bs: int, mode: str) -> dict:
     """The metadata fields with one classic mistake (the engine's slots)."""
     decodes, prefills = groups(batch)
@@ -174,6 +185,19 @@ META_MISTAKES = {
 }
 
 
+def check_table_shape(meta, batch, where: str) -> None:
+    """decode_block_tables: one int64 row per decode, wide enough for the longest table (None without decodes)."""
+    decodes, _ = groups(batch)
+    tables = meta.decode_block_tables
+    if not decodes or not isinstance(tables, torch.Tensor):
+        return  # (the field comparison says what is missing)
+    width = max(len(s.seq.block_table) for s in decodes)
+    if tables.dim() != 2 or tables.shape[0] != len(decodes) or tables.shape[1] < width:
+        raise AssertionError(f"decode_block_tables of the batch [{describe(batch)}]: shape {tuple(tables.shape)}, "
+                             f"expected {len(decodes)} rows of at least {width} blocks (one per decode, padded to "
+                             f"the longest table) {where}")
+
+
 def check_metadata(fn, where: str) -> None:
     from nanoengine.attention import AttentionMetadata
 
@@ -182,8 +206,10 @@ def check_metadata(fn, where: str) -> None:
         if not isinstance(meta, AttentionMetadata):
             raise AssertionError(f"attention_metadata must return an AttentionMetadata, got {type(meta).__name__} "
                                  f"{where}")
-        got, want = metadata_fields(meta), metadata_fields(inp.attn)
-        with explained(got, {d: functools.partial(variant_meta, batch, bs, m) for m, d in META_MISTAKES.items()}):
+        check_table_shape(meta, batch, where)
+        got, want = without_padding(metadata_fields(meta), batch), without_padding(metadata_fields(inp.attn), batch)
+        with explained(got, {d: lambda m=m: without_padding(variant_meta(batch, bs, m), batch)
+                             for m, d in META_MISTAKES.items()}):
             for key, value in want.items():
                 assert_equal(got[key], value, f"{key} of the batch [{describe(batch)}] (block_size={bs})", where)
 
