@@ -10,8 +10,11 @@ Exercise 4.3: allocate a prompt's blocks, reusing cached blocks (ref counts, rev
 Exercise 4.4: free a sequence's blocks, keeping their hashes for later hits (LRU order).
 Exercise 4.5: admit prompts in one step: same-step sharing and last-token recompute.
 
-`block_hash` is given: the exact hash nanoengine uses, so your results can be compared with the engine's.
-4.1-4.4 build a small model of the engine's BlockManager; 4.5 drives the engine's own BlockManager.
+`block_hash` is given: the exact hash nanoengine uses. It is not a convention you may change: with
+use_exercises=["ch04"] your hashes name blocks in the engine's own prefix cache, beside blocks the engine
+hashed itself, and a different hash would never hit them. 4.1-4.4 build a small model of the engine's
+BlockManager (checked by what it does: hits, cached prefixes, ref counts, the order in which free blocks would
+be evicted; not by which block id holds what); 4.5 drives the engine's own BlockManager.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
     Block i holds token_ids[i * block_size:(i + 1) * block_size]; its hash is block_hash(its tokens,
     hash of block i - 1), or block_hash(its tokens, None) for block 0. A last, partial block gets no hash.
+    Use the given block_hash: the engine's prefix cache looks your hashes up beside its own.
     """
     raise NotImplementedError("Exercise 4.1: the chained hash of each full block of `token_ids` - see book/04_prefix_hashing.ipynb")
 
@@ -82,6 +86,8 @@ class PrefixCachingAllocator:
         3. The prompt is now computed: give every full block that has no hash yet its chained hash and
            tokens, and register hash -> block in hash_to_block unless that hash is already there.
         Raise MemoryError (changing nothing) if there are not enough free blocks.
+        Which free block you take is behaviour, not bookkeeping: it decides which cached prefix is evicted
+        (the least recently freed, at the front), and so which later prompts hit.
         """
         raise NotImplementedError("Exercise 4.3: build the block table of a new prompt and compute it; return (table, hit tokens) - see book/04_prefix_hashing.ipynb")
 
@@ -90,7 +96,8 @@ class PrefixCachingAllocator:
 
         Walk the table from its LAST block to its first; each block's ref_count drops by one, and a block
         that reaches 0 goes to the BACK of free_blocks. Freed blocks keep their hash and tokens (and their
-        hash_to_block entry), so a later prompt can still hit them until they are reused.
+        hash_to_block entry), so a later prompt can still hit them until they are reused. The free list's
+        order is the order of eviction; the order of the list you return is yours.
         """
         raise NotImplementedError("Exercise 4.4: drop one sequence's references to its blocks; return the blocks that became free - see book/04_prefix_hashing.ipynb")
 

@@ -6,8 +6,9 @@ Exercise 3.3: the store step: write new K/V into their slots.
 Exercise 3.4: paged decode attention by gathering each sequence's blocks.
 Exercise 3.5: paged prefill attention over a cached prefix.
 Exercise 3.6: paged decode attention read in place, one block at a time, with an online softmax (torch).
-Exercise 3.7: paged decode attention as a Triton kernel, which the engine decodes with.
-(`triton_paged_decode`, given, launches it.)
+Exercise 3.7: a first Triton kernel: the softmax of each row of a matrix, one masked tile per row.
+Exercise 3.8: paged decode attention as a Triton kernel, which the engine decodes with.
+(`triton_row_softmax` and `triton_paged_decode`, given, launch them.)
 
 A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill, start): sequence `seq`
 computes positions start .. start + num_new_tokens - 1 this step (`start` is where the step begins: the
@@ -20,9 +21,10 @@ s = block_id * block_size + offset is row s of the cache viewed as [num_blocks *
 (nanoengine's torch backend stores heads first, [KVH, num_blocks, block_size, D], so that one head's blocks
 are whole contiguous rows; the tests convert between the two.)
 
-Exercise 3.7 needs triton (the dev extra; Linux). Without CUDA, Triton runs kernels only in its interpreter,
-which it chooses when a kernel is *defined*: so this file switches TRITON_INTERPRET=1 on, before the kernel
-below is defined, when there is no GPU (unless you set the variable yourself).
+Exercises 3.7 and 3.8 need triton (the dev extra; Linux). Without it (macOS, Windows) this file still imports,
+and the engine decodes with your 3.6 instead. Without CUDA, Triton runs kernels only in its interpreter, which
+it chooses when a kernel is *defined*: so this file switches TRITON_INTERPRET=1 on, before the kernels below
+are defined, when there is no GPU (unless you set the variable yourself).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ if not torch.cuda.is_available():
 try:
     import triton
     import triton.language as tl
-except ImportError:  # triton is optional: only Exercise 3.7 needs it
+except ImportError:  # triton is optional: only Exercises 3.7 and 3.8 need it
     triton = tl = None
 
 from nanoengine.attention import AttentionMetadata  # the attention backends' input, see its fields
@@ -69,8 +71,9 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
 
     slot_mapping: your Exercise 3.1, as an int64 tensor. The decodes (one new token; the first rows):
     num_decode_seqs; decode_block_tables [num_decodes, max_blocks] int64, each row the sequence's block table
-    padded with 0 to the longest one; decode_context_lens [num_decodes] int64, the tokens each attends over,
-    the new one included (None and None when there are no decodes). The prefill chunks, as lists in row
+    padded to the longest one (the padding is never read: any block id does; nanoengine uses 0);
+    decode_context_lens [num_decodes] int64, the tokens each attends over, the new one included (None and
+    None when there are no decodes). The prefill chunks, as lists in row
     order: prefill_query_starts (the chunk's first row in the flat batch), prefill_query_lens (its new
     tokens), prefill_context_lens (cached prefix + new tokens), prefill_block_tables (an int64 tensor each).
     """
@@ -209,8 +212,44 @@ def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def jit(fn):
-    """triton.jit, or the plain function when triton is not installed (so this file still imports)."""
-    return fn if triton is None else triton.jit(fn)
+    """triton.jit; without triton, a stand-in that says so when it is called (so this file still imports,
+    and the engine, which then decodes with your 3.6, does not wait for a kernel it cannot run)."""
+    if triton is not None:
+        return triton.jit(fn)
+
+    def needs_triton(*args, **kwargs):
+        raise RuntimeError(f"{fn.__name__} needs triton: pip install -c constraints.txt triton (Linux)")
+    return needs_triton
+
+
+@jit
+def masked_row_softmax_kernel(x_ptr, out_ptr, n_cols, stride_row, BLOCK: tl.constexpr):
+    """Exercise 3.7: the softmax of each row of a [rows, n_cols] float32 matrix, one program per row.
+
+    Program r = tl.program_id(0) reads row r as one tile of BLOCK >= n_cols lanes (element (r, c) is at
+    x_ptr + r * stride_row + c), computes exp(x - max) / sum(exp(x - max)) over the row's n_cols values, and
+    writes it to out_ptr at the same offsets. Lanes c >= n_cols are padding: mask them in the load and the
+    store, and keep them out of the max and the sum.
+    """
+    # BEGIN SOLUTION
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=float("-inf"))  # padding: e^-inf = 0
+    p = tl.exp(x - tl.max(x, axis=0))  # [BLOCK]
+    tl.store(out_ptr + row * stride_row + cols, p / tl.sum(p, axis=0), mask=mask)
+    # END SOLUTION
+
+
+def triton_row_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Launches your Exercise 3.7 kernel (given): the softmax of each row of x [rows, n_cols] float32."""
+    if triton is None:
+        raise RuntimeError("Exercise 3.7 needs triton: pip install -c constraints.txt triton (Linux)")
+    x = x.contiguous()
+    out = torch.empty_like(x)  # [rows, n_cols]
+    masked_row_softmax_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0),
+                                             BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
 
 
 @jit
@@ -220,7 +259,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         stride_table,  # block_tables [B, max_blocks]
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Exercise 3.7: paged decode attention as a Triton kernel, one program per (sequence, kv head).
+    """Exercise 3.8: paged decode attention as a Triton kernel, one program per (sequence, kv head).
 
     Program (b, kvh) = (tl.program_id(0), tl.program_id(1)) computes the output rows of query heads
     kvh * GROUP .. kvh * GROUP + GROUP - 1 of sequence b, which all read kv head kvh: Exercise 3.6's loop
@@ -268,10 +307,11 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
 
 def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Launches your Exercise 3.7 kernel (given): Exercise 3.6's arguments and result, one program per
-    (sequence, kv head). The engine's decode runs this with use_exercises=["ch03"]."""
+    """Launches your Exercise 3.8 kernel (given): Exercise 3.6's arguments and result, one program per
+    (sequence, kv head). The engine decodes with it under use_exercises=["ch03"] (with your 3.6 without
+    triton)."""
     if triton is None:
-        raise RuntimeError("Exercise 3.7 needs triton: pip install -c constraints.txt triton (Linux)")
+        raise RuntimeError("Exercise 3.8 needs triton: pip install -c constraints.txt triton (Linux)")
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q = q.contiguous()

@@ -7,8 +7,9 @@ runs are greedy, so every token must match; the per-step schedule (batch size, p
 blocks in use, prefix hits, preemptions) must match too, which catches a piece that is wrong without changing
 the text (a prefix lookup that never hits, a scheduler that never chunks). Chapter 07 runs your sharding in
 two processes (tensor_parallel_size=2, over gloo) against the engine in one, on tiny-qwen3 only (SmolLM2's
-9 heads do not split in two). Chapter 03 decodes with your Triton kernel; without a GPU that runs in Triton's
-interpreter, so there it runs tiny-qwen3 only. Chapter 09 speculates (n-gram, k = 3) on both sides: the
+9 heads do not split in two). Chapter 03 decodes with your Triton kernel (3.8); without a GPU that runs in
+Triton's interpreter, so there it runs tiny-qwen3 only; where triton is not installed it decodes with your 3.6
+(`online_decode_attention`). Chapter 09 speculates (n-gram, k = 3) on both sides: the
 engine's reference run speculates too, and the greedy text must also equal the engine's without speculation
 (exactness), with some drafts accepted.
 """
@@ -41,8 +42,9 @@ CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2),
 # options the reference run takes too (tensor parallelism gives the same tokens as one rank: not these)
 REFERENCE_OPTIONS = ("speculative_config",)
 CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
-# chapter 03 decodes with the learner's Triton kernel (3.7), which without a GPU runs in Triton's interpreter:
-# there SmolLM2's 30 layers take about 90 s, tiny-qwen3's 2 about 5 s, so a CPU checks tiny-qwen3 only
+# chapter 03 decodes with the learner's Triton kernel (3.8), which without a GPU runs in Triton's interpreter
+# (or, without triton, with the learner's 3.6, a Python loop over blocks): there SmolLM2's 30 layers take
+# about 90 s, tiny-qwen3's 2 about 5 s, so a CPU checks tiny-qwen3 only
 INTERPRETED_MODELS = {"ch03": ("tiny-qwen3",)}
 PACKAGE = Path(__file__).resolve().parents[1]  # nanoengine/
 

@@ -1,6 +1,6 @@
 """Chapter 03's pieces in the engine: your batch slot mapping and attention metadata in the input builder,
-and an attention backend whose K/V store, paged decode attention (your Triton kernel, 3.7) and paged prefill
-attention are yours.
+and an attention backend whose K/V store, paged decode attention (your Triton kernel, 3.8, or your 3.6 where
+triton is not installed) and paged prefill attention are yours.
 
 The backend keeps the exercises' cache layout, blocks first: k_cache, v_cache [num_blocks, block_size,
 num_kv_heads, head_dim] per layer (the engine's torch backend stores heads first; a backend declares its own
@@ -8,9 +8,10 @@ layout with `kv_cache_shape`, and the model runner allocates what it says). It p
 your functions read the step's slot mapping, block tables and context lengths straight from the
 AttentionMetadata that your 3.2 built. A prompt chunk with no cached prefix attends over its own tokens
 (chapter 02's piece, or the engine's); every other query attends over your blocks. Decode runs your
-Exercise 3.7 kernel through the file's `triton_paged_decode`: compiled on CUDA, in Triton's interpreter
+Exercise 3.8 kernel through the file's `triton_paged_decode`: compiled on CUDA, in Triton's interpreter
 without a GPU (the chapter file switches it on before defining the kernel), so a CPU run is slow but goes
-through the same kernel.
+through the same kernel. Where triton is not installed (macOS, Windows), decode runs your Exercise 3.6,
+`online_decode_attention`, which takes the same arguments.
 """
 
 from __future__ import annotations
@@ -45,26 +46,41 @@ def attention_metadata(module: ModuleType):
     return checked
 
 
+def has_triton(module: ModuleType) -> bool:
+    """Could the chapter file import triton? (Without it, decode runs your 3.6.)"""
+    return getattr(module, "triton", None) is not None
+
+
 def check_kernel_can_run(module: ModuleType) -> None:
-    """Your 3.7 kernel runs here: triton is installed, and without CUDA the kernel was defined under Triton's
+    """With triton installed, your 3.8 kernel runs here: without CUDA it was defined under Triton's
     interpreter; else an ExerciseError saying what to change."""
-    if getattr(module, "triton", None) is None:
-        raise ExerciseError("use_exercises: chapter 03's decode runs your Exercise 3.7 Triton kernel, and "
-                            f"triton is not installed ({module.__file__} could not import it): "
-                            "pip install -c constraints.txt triton (Linux), or leave 'ch03' out")
+    if not has_triton(module):
+        return  # decode runs your 3.6 (see decode_function)
     if not torch.cuda.is_available():
         from nanoengine.kernels.triton_support import is_interpreted
 
         if not is_interpreted(module.paged_decode_kernel):
-            raise ExerciseError("use_exercises: there is no GPU, so your Exercise 3.7 kernel can only run in "
+            raise ExerciseError("use_exercises: there is no GPU, so your Exercise 3.8 kernel can only run in "
                                 "Triton's interpreter, but TRITON_INTERPRET is set to something other than 1 "
                                 f"({module.__file__} sets it to 1 only when it is unset): unset it or set "
                                 "TRITON_INTERPRET=1 before building the LLM")
         if not is_interpreted(module.tl.zeros):
-            raise ExerciseError("use_exercises: no GPU, so your Exercise 3.7 kernel runs in Triton's "
+            raise ExerciseError("use_exercises: no GPU, so your Exercise 3.8 kernel runs in Triton's "
                                 "interpreter, but triton was imported before TRITON_INTERPRET=1 was set (by "
                                 "torch.compile, say), so triton.language is not interpreted: restart the "
                                 "kernel (or process) and set TRITON_INTERPRET=1 before anything else")
+
+
+def decode_function(module: ModuleType):
+    """The decode attention the backend runs, (q, k_cache, v_cache, block_tables, context_lens, scale) ->
+    [B, H, D]: your 3.8 kernel through triton_paged_decode, or your 3.6 without triton; and whether it walks
+    the rows one by one (the interpreter, or 3.6's Python loop), so padding rows are better left out."""
+    from nanoengine.kernels.triton_support import is_interpreted
+
+    if not has_triton(module):
+        return piece(module, "online_decode_attention", "ch03"), True
+    check_kernel_can_run(module)
+    return piece(module, "triton_paged_decode", "ch03"), is_interpreted(module.paged_decode_kernel)
 
 
 def live_rows(context_lens: torch.Tensor) -> torch.Tensor | None:
@@ -74,19 +90,16 @@ def live_rows(context_lens: torch.Tensor) -> torch.Tensor | None:
 
 
 def with_paged_kv(base: type[TorchAttention], module: ModuleType) -> type[TorchAttention]:
-    """`base` with the blocks-first cache layout, your store_kv, your 3.7 Triton kernel for decode (through
-    the file's triton_paged_decode) and your paged_prefill_attention.
+    """`base` with the blocks-first cache layout, your store_kv, your decode (3.8's Triton kernel through the
+    file's triton_paged_decode, or 3.6 without triton: decode_function) and your paged_prefill_attention.
 
-    In Triton's interpreter every program of the grid runs in turn in NumPy, milliseconds each, and a decode
-    graph's capture (chapter 06's stand-in) runs batches of up to 256 padding rows (context 0, whose output
-    is 0 whatever the kernel): there the kernel is launched on the rows with a context only, and the padding
-    rows are zeros. Compiled (CUDA), it gets every row, as the engine's kernels do."""
-    from nanoengine.kernels.triton_support import is_interpreted
-
-    check_kernel_can_run(module)
-    interpreted = is_interpreted(module.paged_decode_kernel)
+    In Triton's interpreter every program of the grid runs in turn in NumPy, milliseconds each (and 3.6 loops
+    over the rows in Python), and a decode graph's capture (chapter 06's stand-in) runs batches of up to 256
+    padding rows (context 0, whose output is 0 whatever the kernel): there decode runs on the rows with a
+    context only, and the padding rows are zeros. Compiled (CUDA), the kernel gets every row, as the engine's
+    kernels do."""
     store_kv = piece(module, "store_kv", "ch03")
-    decode = piece(module, "triton_paged_decode", "ch03")
+    decode, interpreted = decode_function(module)
     prefill = piece(module, "paged_prefill_attention", "ch03")
 
     class LearnerPagedAttention(base):

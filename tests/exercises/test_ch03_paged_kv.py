@@ -2,10 +2,13 @@
 Scheduler over seeded workloads) and torch attention backend (on seeded random caches). A wrong answer is
 also compared with the classic mistakes (writing slots a prefix-cache block holds, `repeat` for GQA, a causal
 mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test also
-checks that its own checker names them. Exercises 3.6 (online softmax over blocks, torch) and 3.7 (the same as a
+checks that its own checker names them. Exercises 3.6 (online softmax over blocks, torch) and 3.8 (the same as a
 Triton kernel, in Triton's interpreter without a GPU) are checked against dense attention in float64 over ragged
 context lengths, GQA groups, padding rows and -1 padded block tables, with the online softmax's classic
-mistakes (no max subtraction, no rescaling, the last block's length, the GQA group) planted and named."""
+mistakes (no max subtraction, no rescaling, the last block's length, the GQA group) planted and named; 3.8 also
+must write only its own query heads (padding rows masked when BLOCK_G > GROUP). Exercise 3.7 (a masked row
+softmax, the warm-up kernel) is checked against torch.softmax in float64 on rows shorter than their tile.
+Without triton, 3.7 and 3.8 skip with a one-line reason (the engine then decodes with the learner's 3.6)."""
 
 from __future__ import annotations
 
@@ -144,6 +147,17 @@ def metadata_fields(meta) -> dict:
             "prefill_block_tables": [plain(t) for t in meta.prefill_block_tables], "block_size": meta.block_size}
 
 
+def without_padding(fields: dict, batch) -> dict:
+    """The fields with each decode block table row cut to its sequence's blocks: what pads a row (its value,
+    the width) is never read, so it is the builder's choice (the engine pads with 0 to the longest table)."""
+    tables = fields["decode_block_tables"]
+    if tables is not None and isinstance(tables[0], list):
+        decodes, _ = groups(batch)
+        rows = [row[:len(s.seq.block_table)] for row, s in zip(tables[0], decodes)]
+        fields = {**fields, "decode_block_tables": (rows + tables[0][len(decodes):], tables[1])}
+    return fields
+
+
 def variant_meta(batch, bs: int, mode: str) -> dict:
     """The metadata fields with one classic mistake (the engine's slots)."""
     decodes, prefills = groups(batch)
@@ -171,6 +185,19 @@ META_MISTAKES = {
 }
 
 
+def check_table_shape(meta, batch, where: str) -> None:
+    """decode_block_tables: one int64 row per decode, wide enough for the longest table (None without decodes)."""
+    decodes, _ = groups(batch)
+    tables = meta.decode_block_tables
+    if not decodes or not isinstance(tables, torch.Tensor):
+        return  # (the field comparison says what is missing)
+    width = max(len(s.seq.block_table) for s in decodes)
+    if tables.dim() != 2 or tables.shape[0] != len(decodes) or tables.shape[1] < width:
+        raise AssertionError(f"decode_block_tables of the batch [{describe(batch)}]: shape {tuple(tables.shape)}, "
+                             f"expected {len(decodes)} rows of at least {width} blocks (one per decode, padded to "
+                             f"the longest table) {where}")
+
+
 def check_metadata(fn, where: str) -> None:
     from nanoengine.attention import AttentionMetadata
 
@@ -179,8 +206,10 @@ def check_metadata(fn, where: str) -> None:
         if not isinstance(meta, AttentionMetadata):
             raise AssertionError(f"attention_metadata must return an AttentionMetadata, got {type(meta).__name__} "
                                  f"{where}")
-        got, want = metadata_fields(meta), metadata_fields(inp.attn)
-        with explained(got, {d: functools.partial(variant_meta, batch, bs, m) for m, d in META_MISTAKES.items()}):
+        check_table_shape(meta, batch, where)
+        got, want = without_padding(metadata_fields(meta), batch), without_padding(metadata_fields(inp.attn), batch)
+        with explained(got, {d: lambda m=m: without_padding(variant_meta(batch, bs, m), batch)
+                             for m, d in META_MISTAKES.items()}):
             for key, value in want.items():
                 assert_equal(got[key], value, f"{key} of the batch [{describe(batch)}] (block_size={bs})", where)
 
@@ -597,16 +626,131 @@ def test_3_6_online_decode_attention_reads_blocks_in_place(ex):
     assert_detects(lambda fn: check_reads_in_place(fn, where), online_wrong("gather"), GATHER)
 
 
-def test_3_7_triton_paged_decode_kernel(ex):
-    if getattr(ex, "triton", None) is None:
-        pytest.skip("Exercise 3.7 needs triton (pip install -c constraints.txt triton; Linux)")
-    where = book(NB, "3.7")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter
-    if device == "cuda":  # compiled, the stub's `raise` is a CompilationError; say what it is
-        from nanoengine.pieces.learner import is_stub
+NO_TRITON = ("triton is not installed: Exercises 3.7 and 3.8 need it (Linux); the chapter's capstone decodes with "
+             "your 3.6 instead")
 
-        if is_stub(ex.paged_decode_kernel):
-            raise NotImplementedError("Exercise 3.7: paged_decode_kernel is still the stub "
-                                      f"{where}")
+
+def needs_triton(ex, number: str) -> str:
+    """Skip without triton (one line, which check() shows); on CUDA, a stub kernel is "todo" (compiled, the
+    stub's `raise` would be a CompilationError). Returns the device the kernel runs on."""
+    if getattr(ex, "triton", None) is None:
+        pytest.skip(NO_TRITON)
+    if not torch.cuda.is_available():
+        return "cpu"  # Triton's interpreter
+    from nanoengine.pieces.learner import is_stub
+
+    kernel = {"3.7": "masked_row_softmax_kernel", "3.8": "paged_decode_kernel"}[number]
+    if is_stub(getattr(ex, kernel)):
+        raise NotImplementedError(f"Exercise {number}: {kernel} is still the stub {book(NB, number)}")
+    return "cuda"
+
+
+# ------------------------------------------------------------------------------------------ 3.7: a masked tile
+def variant_row_softmax(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The softmax of each row with one classic mistake of a masked tile: x [rows, n] float32."""
+    rows, n = x.shape
+    block = 1 << (n - 1).bit_length()
+    if mode == "zero_pad":  # the padding lanes loaded as 0 and scored as 0
+        padded = torch.zeros(rows, block, dtype=torch.float64)
+        padded[:, :n] = x.double()
+        return torch.softmax(padded, dim=1)[:, :n].float()
+    p = torch.exp(x)  # no_max: e^x in float32
+    return p / p.sum(dim=1, keepdim=True)
+
+
+ROW_SOFTMAX_MISTAKES = {
+    "zero_pad": "padding lanes loaded as 0 (other=0.0) and scored as 0: a 0 lane raises the max of a row of "
+                "negative values and adds e^(0 - max) to the sum; give the padding -inf (other=float(\"-inf\"), "
+                "or tl.where(mask, x, float(\"-inf\"))), which weighs e^-inf = 0",
+    "no_max": "exponentiating without subtracting the row's max: e^x overflows float32 to inf past x = 88, and "
+              "inf / inf is NaN; e^(x - max) gives the same softmax",
+}
+ROW_SOFTMAX_CASES = [(5, 10, -3.0, 1.0), (3, 33, 0.0, 1.0), (4, 16, -1.0, 1.0), (2, 1, -5.0, 1.0), (3, 7, 0.0, 100.0)]
+# (rows, columns, shift, scale): rows shorter than their tile (10 in 16, 33 in 64, 7 in 8), a row that fills
+# it, one column; all-negative rows, where a 0 in a padding lane would be the max; values past e^88
+
+
+def check_row_softmax(fn, where: str, device: str = "cpu") -> None:
+    gen = torch.Generator().manual_seed(37)
+    for rows, n, shift, scale in ROW_SOFTMAX_CASES:
+        x = torch.randn(rows, n, generator=gen) * scale + shift  # [rows, n]
+        what = f"the row softmax of a [{rows}, {n}] matrix (a tile of {1 << (n - 1).bit_length()} lanes" + (
+            f", values up to {float(x.abs().max()):.0f})" if scale != 1 else ")")
+        got = fn(x.to(device))
+        if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+            raise AssertionError(f"{what}: expected a [{rows}, {n}] tensor, got {type(got).__name__} "
+                                 f"{tuple(getattr(got, 'shape', ()))} {where}")
+        got = got.cpu()
+        variants = {d: functools.partial(variant_row_softmax, x, m) for m, d in ROW_SOFTMAX_MISTAKES.items()}
+        with explained(got, variants, same_or_both_overflow):
+            if not bool(torch.isfinite(got).all()):
+                raise AssertionError(f"{what}: your output has inf or NaN where the softmax is finite {where}")
+            assert_close(got.double(), torch.softmax(x.double(), dim=1), what + " vs torch.softmax in float64",
+                         where, atol=1e-6)
+
+
+def test_3_7_masked_row_softmax_kernel(ex):
+    device = needs_triton(ex, "3.7")
+    where = book(NB, "3.7")
+    check_row_softmax(ex.triton_row_softmax, where, device)
+    for mode, description in ROW_SOFTMAX_MISTAKES.items():
+        def wrong(x, mode=mode):
+            return variant_row_softmax(x.cpu(), mode)
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_row_softmax(fn, where), wrong, description)
+
+
+# ------------------------------------------------------------------------------------------ 3.8: the paged kernel
+UNMASKED_ROWS = ("query rows past GROUP left unmasked: with BLOCK_G > GROUP (a group of 3 in a tile of 4), the "
+                 "padding rows g >= GROUP are the next kv head's query heads; mask them (g < GROUP) in the "
+                 "query load and in the store, so that program (b, kvh) writes only heads kvh * GROUP .. "
+                 "kvh * GROUP + GROUP - 1")
+
+
+def launch_first_kv_head(kernel, q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
+    """The learner's paged kernel on a grid of (B, 1), kv head 0's programs only, into an output that starts
+    as NaN: what a program writes outside its own query heads stays visible (on the full grid, another
+    program would write over it, or the write would land past the output)."""
+    import triton
+
+    B, H, D = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    group = H // kv_heads
+    out = torch.full_like(q, float("nan"))  # [B, H, D]
+    kernel[(B, 1)](q, k_cache, v_cache, tables, lens, out, scale, q.stride(0), q.stride(1), k_cache.stride(0),
+                   k_cache.stride(1), k_cache.stride(2), tables.stride(0), GROUP=group, HEAD_DIM=D,
+                   BLOCK_SIZE=bs, BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(D),
+                   BLOCK_N=triton.next_power_of_2(bs))
+    return out
+
+
+def check_own_heads(run, where: str, device: str = "cpu") -> None:
+    """run(q, k_cache, v_cache, tables, lens, scale) writes kv head 0's programs only (launch_first_kv_head):
+    heads 0 .. GROUP - 1 get values, every other head keeps its NaN."""
+    gen = torch.Generator().manual_seed(38)
+    bs, heads, kv_heads, D, lens, _ = ONLINE_CASES[2]  # group 3 in a tile of BLOCK_G = 4
+    q, k_cache, v_cache, padded, _ = online_case(gen, bs, heads, kv_heads, D, lens, 1.0)
+    args = [t.to(device) for t in (q, k_cache, v_cache, torch.tensor(padded), torch.tensor(lens))]
+    out = run(*args, D ** -0.5).cpu()
+    group = heads // kv_heads
+    written = [h for h in range(group, heads) if not bool(out[:, h].isnan().all())]
+    if written:
+        raise AssertionError(f"kv head 0's programs alone ({heads} heads, {kv_heads} kv heads: a group of {group}, "
+                             f"BLOCK_G = 4) wrote query head {written[0]}, outside their group (heads 0 .. "
+                             f"{group - 1}). This looks like {UNMASKED_ROWS} {where}")
+
+
+def wrong_unmasked_rows(q, k_cache, v_cache, tables, lens, scale):
+    """Kv head 0's programs writing a whole tile of BLOCK_G = 4 query heads (head 3 too)."""
+    out = torch.full_like(q, float("nan"))
+    out[:, :4] = online_wrong("engine")(q, k_cache, v_cache, tables, lens, scale)[:, :4]
+    return out
+
+
+def test_3_8_triton_paged_decode_kernel(ex):
+    device = needs_triton(ex, "3.8")
+    where = book(NB, "3.8")
+    check_own_heads(functools.partial(launch_first_kv_head, ex.paged_decode_kernel), where, device)
     check_online_decode(ex.triton_paged_decode, where, device)
     assert_online_checker_names_the_mistakes(where)
+    assert_detects(lambda fn: check_own_heads(fn, where), wrong_unmasked_rows, UNMASKED_ROWS)

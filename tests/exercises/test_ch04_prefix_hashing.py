@@ -2,7 +2,14 @@
 xxhash, prefix matching, ref counts and LRU free list) and Scheduler (admission) on seeded random workloads.
 A wrong answer is also compared with the classic mistakes (the LRU ends swapped, a MemoryError check that
 forgets the cached free blocks a hit revives, blocks registered only after the step, no last-token
-recompute), so the message can say which one it looks like; each test also checks that it names them."""
+recompute), so the message can say which one it looks like; each test also checks that it names them.
+
+4.3-4.5 compare behaviour, not block ids: which prefixes the cache holds, how many tables share each, how
+many blocks are free, and the order in which the free list would evict cached prefixes (a free block that
+holds no cached prefix is any such block: which one is taken is the allocator's business). Each table is
+checked against the allocator's own state (hit blocks are the cache's blocks for the prompt's hashes, ref
+counts count the live tables). The eviction order is behaviour: the engine evicts the least recently freed
+block first, and the prefix hits of later requests (the capstone compares them step by step) depend on it."""
 
 from __future__ import annotations
 
@@ -107,9 +114,25 @@ def test_4_2_count_cached_tokens_matches_match_prefix(ex):
                          f"{len(cached)} cached blocks)", where)
 
 
-def state_of(bm: BlockManager) -> dict:
-    return {"ref_count": [b.ref_count for b in bm.blocks], "block_hash": [b.hash for b in bm.blocks],
-            "free_blocks": list(bm.free_block_ids), "hash_to_block": dict(bm.hash_to_block_id)}
+def behaviour(ref_count, block_hash, hash_to_block, free_blocks) -> dict:
+    """What a block pool does, without its block ids: the cached prefixes (hashes), how many tables hold
+    each, the number of free blocks, and the order in which allocation would evict cached prefixes (each free
+    block as the prefix it still serves, or None when it serves none)."""
+    serves = [block_hash[b] if block_hash[b] is not None and hash_to_block.get(block_hash[b]) == b else None
+              for b in free_blocks]
+    return {"cached prefixes": sorted(hash_to_block),
+            "tables sharing each cached prefix": {h: ref_count[b] for h, b in sorted(hash_to_block.items())},
+            "free blocks": len(free_blocks),
+            "eviction order (free list, front first: the cached prefix each block serves, or None)": serves}
+
+
+def engine_behaviour(bm: BlockManager) -> dict:
+    return behaviour([b.ref_count for b in bm.blocks], [b.hash for b in bm.blocks], bm.hash_to_block_id,
+                     list(bm.free_block_ids))
+
+
+def alloc_behaviour(alloc) -> dict:
+    return behaviour(alloc.ref_count, alloc.block_hash, dict(alloc.hash_to_block), list(alloc.free_blocks))
 
 
 def alloc_state(alloc) -> dict:
@@ -117,19 +140,63 @@ def alloc_state(alloc) -> dict:
             "free_blocks": list(alloc.free_blocks), "hash_to_block": dict(alloc.hash_to_block)}
 
 
-def compare_state(alloc, bm: BlockManager, after: str, where: str) -> None:
-    want = state_of(bm)
+def compare_behaviour(alloc, bm: BlockManager, after: str, where: str) -> None:
+    got, want = alloc_behaviour(alloc), engine_behaviour(bm)
     for name, value in want.items():
-        got = getattr(alloc, name)
-        got = dict(got) if name == "hash_to_block" else list(got)
-        if name == "hash_to_block":
-            if got != value:
-                extra = sorted(set(got.items()) - set(value.items()))[:3]
-                missing = sorted(set(value.items()) - set(got.items()))[:3]
-                raise AssertionError(f"hash_to_block after {after}: entries you have but the engine has not "
-                                     f"{extra}; entries you lack {missing} {where}")
+        if got[name] == value:
+            continue
+        if name == "cached prefixes":
+            extra = sorted(set(got[name]) - set(value))[:3]
+            missing = sorted(set(value) - set(got[name]))[:3]
+            raise AssertionError(f"the prefixes your cache holds after {after}: you have {len(got[name])}, the "
+                                 f"engine {len(value)}; hashes you have but the engine has not {extra}, hashes "
+                                 f"you lack {missing} {where}")
+        if isinstance(value, list):
+            assert_same_list(got[name], value, f"{name} after {after}", where)
         else:
-            assert_same_list(got, value, f"{name} after {after}", where)
+            bad = next(h for h in value if got[name].get(h) != value[h])
+            raise AssertionError(f"{name} after {after}: the prefix with hash {bad} is held by {got[name].get(bad)} "
+                                 f"of your tables, by {value[bad]} of the engine's {where}")
+
+
+def check_own_state(alloc, tables: list[list[int]], after: str, where: str) -> None:
+    """The allocator agrees with itself: each block's ref count is the number of live tables that hold it,
+    the free list is exactly the blocks no table holds, and every cache entry names a block with that hash."""
+    held = [0] * len(alloc.ref_count)
+    for table in tables:
+        for b in table:
+            held[b] += 1
+    wrong = [b for b in range(len(held)) if alloc.ref_count[b] != held[b]]
+    if wrong:
+        b = wrong[0]
+        raise AssertionError(f"ref_count after {after}: block {b} has ref_count {alloc.ref_count[b]} but {held[b]} "
+                             f"live block tables hold it {where}")
+    free, unheld = set(alloc.free_blocks), {b for b in range(len(held)) if held[b] == 0}
+    if free != unheld or len(free) != len(alloc.free_blocks):
+        raise AssertionError(f"free_blocks after {after}: it must hold exactly the blocks no table holds; "
+                             f"free but held {sorted(free - unheld)[:5]}, held by no table but not free "
+                             f"{sorted(unheld - free)[:5]} {where}")
+    stale = [(h, b) for h, b in alloc.hash_to_block.items() if alloc.block_hash[b] != h]
+    if stale:
+        raise AssertionError(f"hash_to_block after {after}: entry {stale[0][0]} -> block {stale[0][1]}, whose "
+                             f"block_hash is {alloc.block_hash[stale[0][1]]} {where}")
+
+
+def check_table(alloc, table: list[int], prompt: list[int], hits: int, what: str, where: str) -> None:
+    """A prompt's table: one block per block_size tokens, its hit blocks the cache's blocks for the prompt's
+    leading hashes, and every full block carrying its chained hash."""
+    bs = alloc.block_size
+    hashes = engine_hashes(prompt, bs)
+    if len(table) != -(-len(prompt) // bs) or len(set(table)) != len(table):
+        raise AssertionError(f"block table of {what}: {table}, expected {-(-len(prompt) // bs)} distinct blocks "
+                             f"{where}")
+    for i, h in enumerate(hashes):
+        if i < hits // bs and alloc.hash_to_block.get(h) != table[i]:
+            raise AssertionError(f"block table of {what}: block {i} is a hit, so it is the cached block of its "
+                                 f"hash, {alloc.hash_to_block.get(h)}; yours is {table[i]} {where}")
+        if alloc.block_hash[table[i]] != h:
+            raise AssertionError(f"block_hash of block {table[i]} (full block {i} of {what}): "
+                                 f"{alloc.block_hash[table[i]]}, expected its chained hash {h} {where}")
 
 
 # ------------------------------------------------------------------------------ the classic mistakes
@@ -204,6 +271,13 @@ def variant(mode: str):
     return make
 
 
+def summary(op: str, result):
+    """What a result says without block ids: the hit tokens of an allocation, the number of freed blocks."""
+    if op == "allocate":
+        return result[1] if isinstance(result, tuple) and len(result) == 2 else result
+    return len(result) if isinstance(result, list) else result
+
+
 class Lockstep:
     """The classic-mistake allocators, run beside the learner's; those that agree with it at every step so
     far are named when it fails."""
@@ -214,7 +288,8 @@ class Lockstep:
     def step(self, op: str, arg, got, alloc) -> None:
         for m, ref in list(self.alive.items()):
             try:
-                same = getattr(ref, op)(list(arg)) == got and alloc_state(ref) == alloc_state(alloc)
+                same = (summary(op, getattr(ref, op)(list(arg))) == summary(op, got)
+                        and alloc_behaviour(ref) == alloc_behaviour(alloc))
             except Exception:
                 same = False
             if not same:
@@ -245,9 +320,11 @@ def run_workload(make, seed, bs, num_blocks, steps, free_prob, where):
             want = bm.free(seq)
             got = alloc.free(table)
             lock.step("free", table, got, alloc)
+            what = f"step {step}, free({table})"
             with lock.explained():
-                assert_same_list(got, want, f"blocks freed by free({table}) at step {step}", where)
-                compare_state(alloc, bm, f"step {step}, free({table})", where)
+                check_freed(got, table, alloc, len(want), what, where)
+                compare_behaviour(alloc, bm, what, where)
+                check_own_state(alloc, [t for _, t in live], what, where)
             continue
         prompt = wl.prompt()
         try:  # skip prompts the pool cannot hold (the engine would make them wait)
@@ -265,12 +342,24 @@ def run_workload(make, seed, bs, num_blocks, steps, free_prob, where):
         what = f"allocate(prompt of {len(prompt)} tokens) at step {step}"
         with lock.explained():
             assert_equal(hits, want_hits, f"hit tokens of {what}", where)
-            assert_same_list(table, seq.block_table, f"block table of {what}", where)
-            compare_state(alloc, bm, what, where)
+            check_table(alloc, list(table), prompt, hits, what, where)
+            compare_behaviour(alloc, bm, what, where)
+            check_own_state(alloc, [t for _, t in live] + [list(table)], what, where)
         live.append((seq, list(table)))
         hits_seen += want_hits > 0
         revived_seen += bool(cached_free & set(seq.block_table[: want_hits // bs]))
     return hits_seen, revived_seen
+
+
+def check_freed(got, table: list[int], alloc, want_count: int, what: str, where: str) -> None:
+    """free's result: the blocks of the table that no table holds any more (in any order), each once."""
+    if not isinstance(got, list) or len(set(got)) != len(got):
+        raise AssertionError(f"free must return a list of the blocks it freed, each once; got {got!r} after "
+                             f"{what} {where}")
+    now_free = sorted(b for b in set(table) if alloc.ref_count[b] == 0)
+    assert_equal(sorted(got), now_free, f"the blocks freed by {what} (those of the table whose ref_count "
+                 "reached 0)", where)
+    assert_equal(len(got), want_count, f"how many blocks {what} freed", where)
 
 
 def copy_state_into(alloc, bm: BlockManager) -> None:
@@ -321,6 +410,39 @@ def _raises_unchanged(alloc, prompt, where, what, hint) -> bool:
     raise AssertionError(f"allocate of {what} should raise MemoryError, returned {result!r}.{hint} {where}")
 
 
+def check_eviction(make, where: str) -> None:
+    """Fresh prompts after three sequences were freed (tails first): with hashless blocks at the front of the
+    free list and cached ones behind them, which cached prefixes do new blocks evict, and when? (A pool that
+    only allocates cannot tell: all its free blocks are alike.)"""
+    bs = 4
+    bm = BlockManager(12, bs)
+    seqs = [make_seq([100 * i + j for j in range(2 * bs + 1)], bs) for i in range(3)]  # 2 full blocks + 1 token
+    for seq in seqs:
+        engine_prefill(bm, seq)
+    for i in (1, 0, 2):
+        bm.free(seqs[i])
+    alloc = make(12, bs)
+    copy_state_into(alloc, bm)
+    lock = Lockstep(12, bs)
+    for ref in lock.alive.values():
+        copy_state_into(ref, bm)
+    live: list[list[int]] = []
+    for k in range(6):
+        prompt = [5000 + 10 * k + j for j in range(2 * bs)]  # two fresh blocks each
+        engine_prefill(bm, make_seq(prompt, bs))
+        got = alloc.allocate(prompt)
+        lock.step("allocate", prompt, got, alloc)
+        what = f"allocate(fresh prompt {k} of {len(prompt)} tokens) after three sequences were freed"
+        with lock.explained():
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise AssertionError(f"allocate must return (block_table, hit_tokens), got {got!r} {where}")
+            assert_equal(got[1], 0, f"hit tokens of {what}", where)
+            check_table(alloc, list(got[0]), prompt, 0, what, where)
+            compare_behaviour(alloc, bm, what, where)
+            check_own_state(alloc, live + [list(got[0])], what, where)
+        live.append(list(got[0]))
+
+
 def test_4_3_allocate_with_hits_and_ref_counts(ex):
     where = book(NB, "4.3")
     # allocations only: hits on blocks other sequences hold (ref counts > 1), until the pool fills up
@@ -329,8 +451,8 @@ def test_4_3_allocate_with_hits_and_ref_counts(ex):
     assert hits >= 5, "the workload should produce prefix hits"
     check_memory_error(ex.PrefixCachingAllocator, where)
     assert_detects(lambda make: check_memory_error(make, where), variant("forget_revived"), FORGET_REVIVED)
-    assert_detects(lambda make: run_workload(make, 43, 4, 150, 40, 0.0, where), variant("pop_back"),
-                   ALLOC_MISTAKES["pop_back"])
+    check_eviction(ex.PrefixCachingAllocator, where)
+    assert_detects(lambda make: check_eviction(make, where), variant("pop_back"), ALLOC_MISTAKES["pop_back"])
 
 
 def check_free_alone(make, where: str) -> None:
@@ -346,14 +468,16 @@ def check_free_alone(make, where: str) -> None:
     lock = Lockstep(40, bs)
     for ref in lock.alive.values():
         copy_state_into(ref, bm)
-    for seq in [seqs[i] for i in (2, 0, 4, 1, 3)]:
-        table = list(seq.block_table)
-        want = bm.free(seq)
+    live = {i: list(seq.block_table) for i, seq in enumerate(seqs)}
+    for i in (2, 0, 4, 1, 3):
+        table = live.pop(i)
+        want = bm.free(seqs[i])
         got = alloc.free(table)
         lock.step("free", table, got, alloc)
         with lock.explained():
-            assert_same_list(got, want, f"blocks freed by free({table})", where)
-            compare_state(alloc, bm, f"free({table})", where)
+            check_freed(got, table, alloc, len(want), f"free({table})", where)
+            compare_behaviour(alloc, bm, f"free({table})", where)
+            check_own_state(alloc, list(live.values()), f"free({table})", where)
 
 
 def test_4_4_free_keeps_hashes_and_lru_order(ex):
@@ -451,10 +575,17 @@ def admit_case(case: int):
 
 
 def admit_result(bm, waiting, admitted) -> dict:
+    """What admission did, without block ids: who is admitted with how many tokens, each sequence's counts and
+    table (as the cached prefix each of its blocks serves, or None), and the pool's behaviour."""
+    def served(b: int):
+        h = bm.blocks[b].hash
+        return h if h is not None and bm.hash_to_block_id.get(h) == b else None
+
     return {"admitted (seq_id, num_new_tokens)": [(s.seq_id, n) for s, n in admitted],
-            "per waiting seq (num_computed_tokens, num_cached_tokens, block_table)":
-                {s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, list(s.block_table)) for s in waiting},
-            **state_of(bm)}
+            "per waiting seq (num_computed_tokens, num_cached_tokens, the cached prefix of each block)":
+                {s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, [served(b) for b in s.block_table])
+                 for s in waiting},
+            **engine_behaviour(bm)}
 
 
 def check_admit(fn, where: str) -> None:
