@@ -183,8 +183,9 @@ def test_use_exercises_sets_the_default_of_later_engines():
 
 
 def test_chapter_03_decode_needs_a_kernel_that_can_run_here(tmp_path):
-    """ch03 decodes with the learner's 3.7 Triton kernel: without triton, or (with no GPU) with a kernel not
-    defined under Triton's interpreter, building the engine says what to change."""
+    """ch03 decodes with the learner's 3.8 Triton kernel: with no GPU and a kernel not defined under Triton's
+    interpreter, building the engine says what to change. (Without triton it decodes with the learner's 3.6:
+    tests/test_no_triton.py.)"""
     import types
 
     import torch
@@ -192,8 +193,7 @@ def test_chapter_03_decode_needs_a_kernel_that_can_run_here(tmp_path):
     from nanoengine.pieces import ch03
 
     no_triton = types.SimpleNamespace(__file__="ch03_paged_kv.py", triton=None, paged_decode_kernel=None)
-    with pytest.raises(ExerciseError, match="Exercise 3.7 Triton kernel, and triton is not installed"):
-        ch03.check_kernel_can_run(no_triton)
+    ch03.check_kernel_can_run(no_triton)  # nothing to check: decode runs the learner's 3.6
     triton = pytest.importorskip("triton")
     if not torch.cuda.is_available():
         compiled = triton.runtime.jit.JITFunction(identity)  # what @triton.jit gives without the interpreter
@@ -218,12 +218,12 @@ def identity(x):
 
 @pytest.mark.slow
 def test_chapter_03_decodes_with_the_learners_kernel(tmp_path):
-    """The capstone's decode goes through the learner's 3.7 launcher: one token too few fails it."""
+    """The capstone's decode goes through the learner's 3.8 launcher: one token too few fails it."""
     folder = chapter_with(tmp_path, "ch03", '''
         _right = triton_paged_decode
 
         def triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-            """Exercise 3.7's launcher, one token too few (the new token's own K/V left out)."""
+            """Exercise 3.8's launcher, one token too few (the new token's own K/V left out)."""
             return _right(q, k_cache, v_cache, block_tables, (context_lens - 1).clamp_min(0), scale)
         ''')
     result = capstone("ch03", folder, models=("tiny-qwen3",))

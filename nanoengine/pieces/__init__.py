@@ -39,8 +39,8 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = {
     "ch02": "RMSNorm, RoPE and causal GQA attention in the model's forward",
-    "ch03": "slot mapping and attention metadata, K/V store, paged decode (a Triton kernel) and prefill "
-            "attention",
+    "ch03": "slot mapping and attention metadata, K/V store, paged decode (a Triton kernel; your 3.6 without "
+            "triton) and prefill attention",
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
     "ch05": "the scheduling step with preemption, and the sampler",
     "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
