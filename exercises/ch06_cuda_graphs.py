@@ -12,7 +12,8 @@ Exercise 6.5: read a launched step's pending tokens into the next step's input i
 
 The tests compare yours with nanoengine's own `nanoengine/engine/graphs.py` (batch_buckets, DecodeGraphs) on
 seeded inputs, 6.3 with tiny-qwen3's eager forward (its output and its KV cache), 6.4 with
-`nanoengine.viz.overhead.count_ops`, and 6.5 with an engine that overlaps its steps (async_scheduling) on yours.
+`nanoengine.viz.overhead.count_ops`, and 6.5 with an engine that overlaps its steps (async_scheduling) on
+yours.
 """
 
 from __future__ import annotations
@@ -127,12 +128,12 @@ def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
 def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
     """Exercise 6.5: the next step's input ids, with its pending tokens read from the step before's.
 
-    With overlap scheduling a step is built before the step in flight has sampled, so a sequence whose input is
-    that step's token gets a reference as its input id: -(row + 1), row `row` of the tokens the step in flight
-    samples (`prev_tokens` [num_prev] int64: one per entry of that step's `out.sampled`, in that order).
-    `input_ids` [num_tokens] int64 holds token ids (>= 0) and references (< 0). Return a new tensor
+    With overlap scheduling a step is built before the step in flight has sampled, so a sequence whose input
+    is that step's token gets a reference as its input id: -(row + 1), row `row` of the tokens the step in
+    flight samples (`prev_tokens` [num_prev] int64: one per entry of that step's `out.sampled`, in that
+    order). `input_ids` [num_tokens] int64 holds token ids (>= 0) and references (< 0). Return a new tensor
     [num_tokens]: every id as it is, every reference replaced by the token it names. Both tensors are on the
-    device and prev_tokens is not computed yet when this is called on a GPU: nothing may read a value on the
+    device, and on a GPU prev_tokens may not be computed yet when this runs: nothing may read a value on the
     host (no .item(), .tolist(), int(...), `if` on a tensor, or boolean-mask indexing, whose size depends on
     the values), or the host would wait for the step in flight, which is what overlap avoids.
     read_pending_ids(tensor([5, -1, -3]), tensor([70, 71, 72])) == tensor([5, 70, 72]).
