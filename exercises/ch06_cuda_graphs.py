@@ -8,10 +8,12 @@ Exercise 6.1: the batch sizes that get a graph, and the bucket a batch replays.
 Exercise 6.2: copy a decode step into the static buffers, padded so that padding rows write nothing.
 Exercise 6.3: capture one forward per bucket and replay it: the CPU stand-in of CUDA graphs.
 Exercise 6.4: count a step's ops, and predict its time from per-op overhead and bytes moved.
+Exercise 6.5: read a launched step's pending tokens into the next step's input ids, on the device.
 
 The tests compare yours with nanoengine's own `nanoengine/engine/graphs.py` (batch_buckets, DecodeGraphs) on
-seeded inputs, 6.3 with tiny-qwen3's eager forward (its output and its KV cache), and 6.4 with
-`nanoengine.viz.overhead.count_ops`.
+seeded inputs, 6.3 with tiny-qwen3's eager forward (its output and its KV cache), 6.4 with
+`nanoengine.viz.overhead.count_ops`, and 6.5 with an engine that overlaps its steps (async_scheduling) on
+yours.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ BUFFERS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tabl
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Exercise 6.1: the batch sizes that get a graph, in increasing order.
+    """Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them).
 
     1, 2, 4 and 8, then every multiple of 16, up to max_num_seqs capped at MAX_GRAPH_BATCH; the cap itself
     (min(max_num_seqs, MAX_GRAPH_BATCH)) is always the last bucket, so that every batch the scheduler can form
     (up to the cap) has one. No size appears twice; none is larger than the cap.
     graph_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]; graph_buckets(3) == [1, 2, 3].
     """
-    raise NotImplementedError("Exercise 6.1: the batch sizes that get a graph, in increasing order - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them) - see book/06_cuda_graphs.ipynb")
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
@@ -57,8 +59,9 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
     `inp` is a decode-only ModelInput of n <= bucket rows: inp.input_ids, inp.positions [n];
     inp.attn.slot_mapping, inp.attn.decode_context_lens [n]; inp.attn.decode_block_tables [n, width].
     - rows 0..n-1: the step's values; the first `width` columns of their block tables;
-    - rows n..bucket-1 are padding: token 0 at position 0, slot -1 (its K/V is stored nowhere), context
-      length 0 (its attention reads nothing), a block table of zeros in the first `width` columns;
+    - rows n..bucket-1 are padding: slot -1 (its K/V is stored nowhere) and context length 0 (its attention
+      reads nothing); its token, position and block table only need to be valid: token 0 at position 0 and a
+      block table of zeros in the first `width` columns will do;
     - `used_width` is how many columns an earlier step may have left block ids in (every column past it is 0
       in every row). When this step is narrower, clear columns width..used_width-1 in EVERY row of the buffer:
       a later step with more rows, or a wider table, would read them.
@@ -120,3 +123,19 @@ def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
     total_ms = overhead_ms + memory_ms. Return {"overhead_ms", "memory_ms", "total_ms"}.
     """
     raise NotImplementedError("Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there - see book/06_cuda_graphs.ipynb")
+
+
+def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Exercise 6.5: the next step's input ids, with its pending tokens read from the step before's.
+
+    With overlap scheduling a step is built before the step in flight has sampled, so a sequence whose input
+    is that step's token gets a reference as its input id: -(row + 1), row `row` of the tokens the step in
+    flight samples (`prev_tokens` [num_prev] int64: one per entry of that step's `out.sampled`, in that
+    order). `input_ids` [num_tokens] int64 holds token ids (>= 0) and references (< 0). Return a new tensor
+    [num_tokens]: every id as it is, every reference replaced by the token it names. Both tensors are on the
+    device, and on a GPU prev_tokens may not be computed yet when this runs: nothing may read a value on the
+    host (no .item(), .tolist(), int(...), `if` on a tensor, or boolean-mask indexing, whose size depends on
+    the values), or the host would wait for the step in flight, which is what overlap avoids.
+    read_pending_ids(tensor([5, -1, -3]), tensor([70, 71, 72])) == tensor([5, 70, 72]).
+    """
+    raise NotImplementedError("Exercise 6.5: the next step's input ids, with its pending tokens read from the step before's - see book/06_cuda_graphs.ipynb")

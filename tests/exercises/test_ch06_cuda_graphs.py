@@ -1,6 +1,8 @@
 """Exercises of book/06_cuda_graphs.ipynb, checked against nanoengine's own decode graphs (engine/graphs.py:
-batch_buckets, DecodeGraphs.bucket_for and .load) on seeded decode batches, 6.3 against tiny-qwen3's eager
-forward (its hidden states and the KV cache it leaves), and 6.4 against nanoengine.viz.overhead.count_ops."""
+batch_buckets, DecodeGraphs.bucket_for and .load) on seeded decode batches (6.2: the step's rows exactly, the
+padding rows by what they must not do), 6.3 against tiny-qwen3's eager forward (its hidden states and the KV
+cache it leaves), 6.4 against nanoengine.viz.overhead.count_ops, and 6.5 against a host-side oracle and an
+engine that overlaps its steps (async_scheduling) on the learner's function, compared with one that does not."""
 
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ def test_6_1_graph_buckets_match_the_engine(ex):
         if got != want and isinstance(got, list) and got == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= m]:
             raise AssertionError(f"max_num_seqs={m}: this looks like powers of two only; after 8 the buckets go in "
                                  f"steps of 16, and max_num_seqs itself is always a bucket {where}")
-        if isinstance(got, list) and got and got[-1] != want[-1]:
-            raise AssertionError(f"max_num_seqs={m}: the last bucket is {got[-1]}, expected {want[-1]} (max_num_seqs "
-                                 f"capped at 512), or a batch of {want[-1]} would have no graph {where}")
-        assert_same_list(got, want, f"graph_buckets({m})", where)
+        if isinstance(got, list) and got and max(got) != want[-1]:
+            raise AssertionError(f"max_num_seqs={m}: the largest bucket is {max(got)}, expected {want[-1]} "
+                                 f"(max_num_seqs capped at 512), or a batch of {want[-1]} would have no graph {where}")
+        if isinstance(got, list) and len(set(got)) != len(got):
+            raise AssertionError(f"max_num_seqs={m}: {got} holds a size twice; one graph per size {where}")
+        assert_same_list(sorted(got) if isinstance(got, list) else got, want, f"graph_buckets({m}), sorted", where)
 
 
 def test_6_1_pick_bucket_matches_the_engine(ex):
@@ -130,8 +134,12 @@ def test_6_2_load_static_matches_the_engines_buffers(ex):
                                  f"{engine.used_width + col}, past this step's width: a stale id a later, larger "
                                  f"bucket or a wider table would read; clear columns width..used_width-1 in every "
                                  f"row {where}")
-        for k, want in names.items():
-            assert_close(bufs[k][:bs], want[:bs], f"{what}: {k}[:{bs}]", where, atol=0, rtol=0)
+        for k, want in names.items():  # the step's own rows exactly
+            assert_close(bufs[k][:n], want[:n], f"{what}: {k}[:{n}]", where, atol=0, rtol=0)
+        for k in ("input_ids", "positions", "block_tables"):  # padding rows: any valid value (they store and read
+            if n < bs and (bufs[k][n:bs] < 0).any():  # nothing: slot -1, context 0, checked above)
+                raise AssertionError(f"{what}: a padding row holds a negative {k[:-1]}; the forward must be able "
+                                     f"to run it (token 0 at position 0, block 0, say) {where}")
         assert_equal(width, engine.used_width, f"{what}: the returned width", where)
 
 
@@ -266,3 +274,95 @@ def test_6_4_predict_step_ms(ex):
             if abs(got[key] - want) > 1e-9 * max(1.0, abs(want)):
                 raise AssertionError(f"{ops} ops x {us:.3g} us, {nbytes:.3g} bytes at {bw:.3g} GB/s: {key} "
                                      f"{got[key]:.6g}, expected {want:.6g} {where}")
+
+
+# ------------------------------------------------------------------------------------------ 6.5
+def naive_read(ids: list[int], prev: list[int]) -> list[int]:
+    """The oracle, one id at a time on the host: a reference -(row + 1) is row `row` of prev."""
+    return [i if i >= 0 else prev[-1 - i] for i in ids]
+
+
+def random_pending_step(rng: random.Random) -> tuple[list[int], list[int]]:
+    """A step's input ids (token ids and references, mixed) and the tokens the step before sampled."""
+    prev = [rng.randrange(0, 1000) for _ in range(rng.randint(1, 12))]
+    ids = [rng.randrange(0, 1000) if rng.random() < 0.4 else -1 - rng.randrange(len(prev))
+           for _ in range(rng.randint(1, 20))]
+    return ids, prev
+
+
+def test_6_5_read_pending_ids_on_seeded_steps(ex):
+    where = book(NB, "6.5")
+    rng = random.Random(65)
+    cases = [([5, -1, -3], [70, 71, 72]), ([-1], [9]), ([3, 4], [8])] + [random_pending_step(rng) for _ in range(200)]
+    for ids, prev in cases:
+        input_ids, prev_tokens = torch.tensor(ids), torch.tensor(prev)
+        got = ex.read_pending_ids(input_ids, prev_tokens)
+        what = f"read_pending_ids({ids}, {prev})"
+        if not isinstance(got, torch.Tensor):
+            raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__} {where}")
+        if input_ids.tolist() != ids:
+            raise AssertionError(f"{what}: input_ids was changed in place; return a new tensor (on the host the "
+                                 f"step's input ids are a view of the input builder's buffers) {where}")
+        want = naive_read(ids, prev)
+        if got.tolist() != want:
+            row_is_minus_id = [(g, prev[-i]) for g, i in zip(got.tolist(), ids) if 0 < -i < len(prev)]
+            if row_is_minus_id and all(g == p for g, p in row_is_minus_id):
+                raise AssertionError(f"{what}: yours {got.tolist()}, expected {want}: this looks like row -id; the "
+                                     f"reference -(row + 1) names row -id - 1 (-1 is row 0) {where}")
+            if got.tolist() == ids:
+                raise AssertionError(f"{what}: the references (< 0) are still there; replace each by the token it "
+                                     f"names in prev_tokens {where}")
+            assert_same_list(got.tolist(), want, what, where)
+    ids, prev = random_pending_step(random.Random(650))
+    try:  # tensors with no values: what a function that never reads a value on the host still runs on
+        got = ex.read_pending_ids(torch.tensor(ids, device="meta"), torch.tensor(prev, device="meta"))
+        ok = isinstance(got, torch.Tensor) and tuple(got.shape) == (len(ids),)
+    except Exception:  # noqa: BLE001 (any failure here is the mistake named below)
+        ok = False
+    if not ok:
+        raise AssertionError(f"read_pending_ids reads values on the host (.item(), .tolist(), int(), an `if` on a "
+                             f"tensor, or a boolean mask, whose row count depends on the values): it failed on "
+                             f"tensors that have none (device='meta'). On a GPU that waits for the step in flight, "
+                             f"which is what overlap avoids; compute every row with tensor ops (clamp, indexing, "
+                             f"torch.where) {where}")
+
+
+def test_6_5_the_engine_overlaps_on_yours(ex, monkeypatch):
+    """The engine with overlap reads its pending tokens with your function: same tokens as without overlap."""
+    from nanoengine.engine import pending
+
+    where = book(NB, "6.5")
+    ex.read_pending_ids(torch.tensor([1, -1]), torch.tensor([2]))  # a stub says so here, not in the engine's thread
+    engines_own = pending.read_pending_ids
+    calls, wrong = [], []
+
+    def yours(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        want = engines_own(input_ids, prev_tokens)
+        try:
+            got = ex.read_pending_ids(input_ids.clone(), prev_tokens)
+        except Exception as error:  # noqa: BLE001 (reported after the run, outside the executor's thread)
+            got = error
+        calls.append(int((input_ids < 0).sum()))
+        if not isinstance(got, torch.Tensor) or not torch.equal(got, want):
+            wrong.append((input_ids.tolist(), prev_tokens.tolist(), got, want.tolist()))
+            return want
+        return got
+
+    prompts = PROMPTS + ["Paged attention reads", "A B C D E F"]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate((9, 3, 12, 5, 7, 10, 4, 6))]
+    runs = {}
+    for on in (False, True):
+        llm = LLM("tiny-qwen3", dtype="float32", attention_backend="torch", max_num_seqs=3, num_kvcache_blocks=64,
+                  async_scheduling=on)
+        if on:
+            monkeypatch.setattr(pending, "read_pending_ids", yours)
+        runs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sum(calls) > 0, "the overlap run was meant to read pending tokens"
+    if wrong:
+        ids, prev, got, want = wrong[0]
+        raise AssertionError(f"{len(wrong)} of {len(calls)} overlapped steps: input ids {ids} with the step "
+                             f"before's tokens {prev}: yours {got!r}, the engine's {want} {where}")
+    if runs[True] != runs[False]:
+        raise AssertionError(f"with your read_pending_ids the overlapped engine drew other tokens than the engine "
+                             f"without overlap {where}")
