@@ -30,7 +30,7 @@ from nanoengine.attention.torch_backend import kv_cache_shape, prompts_without_c
 @dataclass
 class TritonPrep(AttentionPrep):
     """What every layer of one step reuses."""
-    decode_num_splits: int  # split-K programs per (decode sequence, kv head)
+    decode_num_splits: int  # split-KV programs per (decode sequence, kv head)
     prefill_max_query_len: int  # 0: no prefill in this step (then the tensors below are None)
     # [num_prefills] int64: each chunk's first row in the batch
     prefill_query_starts: torch.Tensor | None = None

@@ -5,15 +5,15 @@ attention: 9 query heads over 3 kv heads is 3 rows each), so each K/V row is rea
 walks its share of the sequence's context in tiles of BLOCK_N tokens through the block table, folding each
 tile into a running softmax (`attend_keys` in `triton_common`).
 
-Split-K (vLLM's "v2" paged attention): at small batch, one program per (sequence, kv head) leaves most of a
-GPU idle (batch 1 with 8 kv heads is 8 programs on 132 SMs) while each walks thousands of tokens. So the
-context is cut into `num_splits` contiguous ranges, one program each, and every program writes a partial
-result: its normalized output and the log of its softmax denominator (log-sum-exp, `lse`). A second small
-kernel (launched only when there are splits; with one, the decode kernel writes the output itself) merges the
-splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
-out = sum_s w_s * out_s / sum_s w_s, which is exactly the softmax over the whole context. A split whose
-range is empty (a short context among long ones) has lse = -inf and weight 0. A context of 0 (the padding
-rows of a CUDA-graph batch) reads nothing and gives 0.
+Split-KV (vLLM's "v2" paged attention splits the KV sequence, not K): at small batch, one program per
+(sequence, kv head) leaves most of a GPU idle (batch 1 with 8 kv heads is 8 programs on 132 SMs) while each
+walks thousands of tokens. So the context is cut into `num_splits` contiguous ranges, one program each, and
+every program writes a partial result: its normalized output and the log of its softmax denominator (log-sum-
+exp, `lse`). A second small kernel (launched only when there are splits; with one, the decode kernel writes
+the output itself) merges the splits of each (sequence, head): with M = max lse, weights w_s = exp(lse_s - M),
+out = sum_s w_s * out_s / sum_s w_s, which is exactly the softmax over the whole context. A split whose range
+is empty (a short context among long ones) has lse = -inf and weight 0. A context of 0 (the padding rows of a
+CUDA-graph batch) reads nothing and gives 0.
 
 `choose_num_splits` picks the count on the host from the batch shape alone (no GPU sync): enough programs to
 cover the GPU twice over, at least SPLIT_MIN_TOKENS tokens per split. Without a GPU (the interpreter) it is 1.

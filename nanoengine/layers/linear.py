@@ -12,13 +12,13 @@ one all-reduce per half:
   the activations it already has, and the partial products are summed by an all-reduce (bias added once).
 A loader receives the checkpoint tensor or a lazy safetensors slice, and reads only its rank's share.
 
-On a CPU with bf16 support, `prepack_weights(model)` (chapter 06) reorders every weight once into oneDNN's
+On a CPU with bf16 support, `prepack_weights(model)` (chapter 08) reorders every weight once into oneDNN's
 blocked layout. A plain `F.linear` reorders the weight on every call; decode steps multiply a few rows by
 the whole weight, so that per-call reorder is much of their time, and packing once takes it away.
 The packed copy is an opaque oneDNN tensor beside the ordinary weight (which loading and tests still use).
 
 Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoints in float32),
-`use_bf16_weights(model, kernels, max_rows)` (chapter 06) gives every linear a bfloat16 copy of its weight,
+`use_bf16_weights(model, kernels, max_rows)` (chapter 08) gives every linear a bfloat16 copy of its weight,
 laid out once for the C++ kernel `bf16_linear` (`bf16_pack`: blocks of 8 rows, each one sequential stream),
 which multiplies batches of up to `max_rows` rows with it: a decode step streams every weight once, so half
 the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the float32 weight is a widened

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C++ call, on CPU: the CPU's analogue of a CUDA graph. Chapter 06.
+"""A decode step's decoder layers in one C++ call, on CPU: the CPU's analogue of a CUDA graph. Chapter 08.
 
 Op by op, a decode step makes some twenty calls from Python per layer (linears, norms, rotary, the K/V
 store, attention, views); at small batch each costs more in the interpreter and the dispatcher than in
