@@ -31,6 +31,10 @@ QUANTIZATIONS = (None, "int8")
 # speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
 # output so far; "draft_model" runs a small model that shares the target's tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# which distribution a request's logprobs come from (vLLM's `logprobs_mode`; chapter 05): "raw_logprobs" is the
+# model's own (log_softmax of the logits, before temperature and filters; vLLM v1's default),
+# "processed_logprobs" the one the token was drawn from (after temperature, top-k, top-p, min-p)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -139,6 +143,10 @@ class EngineConfig:
     # speculative decoding (vLLM's shape; nanoengine/spec/): {"method": "ngram", "num_speculative_tokens": k,
     # ...}, see SpeculativeConfig; None = off. Its steps wait for their tokens (no overlap scheduling)
     speculative_config: dict | SpeculativeConfig | None = None
+    # the most top logprobs a request may ask for (vLLM's `max_logprobs`, default 20): SamplingParams.logprobs
+    # and prompt_logprobs above it are refused when the request is made
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
     seed: int = 0
     trace: bool = False
     # the learner's pieces (nanoengine.pieces): chapters whose exercises replace the engine's own components,
@@ -180,6 +188,9 @@ class EngineConfig:
               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        check(self.logprobs_mode in LOGPROBS_MODES,
+              f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         check(self.scheduling_policy in SCHEDULING_POLICIES,
               f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
