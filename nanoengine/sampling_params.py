@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoengine.errors import InvalidTypeError, InvalidValueError
+from nanoengine.structured import StructuredOutputsParams
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature overflow float32; 0 is greedy
 MAX_SEED = 2**63 - 2**20  # a seed plus a completion index stays a valid torch seed
@@ -36,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top logprobs per generated token (None: none; 0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice... (structured.py)
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,11 @@ class SamplingParams:
             raise _bad(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}",
                        "pass e.g. [2]", InvalidTypeError)
         self.stop_token_ids = [_integer("stop_token_ids", t, lo=0, fix="token ids are >= 0") for t in ids]
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _bad(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
+                       "pass e.g. StructuredOutputsParams(json=schema) (nanoengine.structured)",
+                       InvalidTypeError)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -44,6 +44,7 @@ from nanoengine.layers.tp_group import SINGLE
 if TYPE_CHECKING:
     from nanoengine.engine.parts import EngineParts
     from nanoengine.plan import EnginePlan
+    from nanoengine.structured import TokenMask
 
 
 def call_on(runner: ModelRunner, method: str | Callable, args: tuple) -> Any:
@@ -116,21 +117,26 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32."""
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
-    def launch(self, model_input: ModelInput, sampling: SamplingBatch) -> ForwardOutput:
+    def launch(self, model_input: ModelInput, sampling: SamplingBatch,
+               mask: TokenMask | None = None) -> ForwardOutput:
         """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
-        without waiting where the device or the thread allows; its `tokens()` waits for them."""
+        without waiting where the device or the thread allows; its `tokens()` waits for them. `mask`: the
+        grammars' token mask of structured outputs (nanoengine/structured.py), None for none."""
         out = ForwardOutput(model_input)
         if self.thread is not None:
-            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out)
+            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, mask)
         else:
-            self.run_and_draw(model_input, sampling, out)
+            self.run_and_draw(model_input, sampling, out, mask)
         return out
 
     @torch.inference_mode()
-    def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput) -> None:
+    def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput,
+                     mask: TokenMask | None = None) -> None:
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)
-        self.last_tokens = None if logits is None else self.sampler(logits, sampling)  # [num_sampled]
+        # structured outputs: the sampler draws from the grammar-masked logits, a copy (`logits` stay raw)
+        drawn_from = logits if mask is None or logits is None else mask.apply(logits)  # [num_sampled, V]
+        self.last_tokens = None if logits is None else self.sampler(drawn_from, sampling)  # [num_sampled]
         out.set(self.last_tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None)
 
     def settle(self) -> None:

@@ -40,6 +40,7 @@ from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.spec import make_speculator
 from nanoengine.spec.verify import SpecCounts
+from nanoengine.structured import StructuredOutputs
 from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
@@ -72,6 +73,8 @@ class LLMEngine:
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)
+        # grammars of structured outputs (nanoengine/structured.py; the library is imported on first use)
+        self.structured = StructuredOutputs(tokenizer, plan.hf_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0  # steps finished
@@ -93,6 +96,8 @@ class LLMEngine:
             raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = parse_prompt(prompt, self.tokenizer, self.plan.hf_config.vocab_size)
         check_token_ids(params.stop_token_ids, self.plan.hf_config.vocab_size, "stop_token_ids")
+        if params.structured_outputs is not None:  # compiled now (cached): a bad schema fails here
+            self.structured.compile(params.structured_outputs)
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
             raise InvalidValueError(f"request id {rid!r} is already in use")
@@ -109,6 +114,7 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for s in request.seqs:
             self.scheduler.add(s)
+            self.structured.add(s)
         if self.trace is not None:
             self.trace.add_prompts(request.seqs)
 
@@ -125,6 +131,7 @@ class LLMEngine:
         for s in req.seqs if req is not None else ():
             self.scheduler.abort(s)
             self.sampling.release(s)
+            self.structured.release(s)
         if not self.scheduler.has_unfinished():
             self.drain()  # a step in flight now samples for no one: finish it, so the engine is idle
 
@@ -162,7 +169,11 @@ class LLMEngine:
 
         Without overlap the step launched is the one finished. With `async_scheduling` a call launches step
         N+1 and then finishes step N, whose forward ran meanwhile: the host's work for one hides behind the
-        device's for the other (chapter 06); the first call finishes none."""
+        device's for the other (chapter 06); the first call finishes none. A step in flight that sampled a
+        sequence with structured outputs is finished first: the next step's grammar mask needs its tokens."""
+        first = None
+        if self.in_flight is not None and self.structured.samples_grammar(self.in_flight.scheduled.sampled):
+            first = self.drain()  # its result is this call's (the step launched below stays in flight)
         unfinished = [self.in_flight.scheduled] if self.in_flight is not None else []
         started = time.perf_counter()
         out = self.scheduler.schedule()  # before the forward: the batch, committed
@@ -172,7 +183,8 @@ class LLMEngine:
                 done, self.in_flight = self.in_flight, launched  # it runs while the step before finishes
             else:
                 done, self.in_flight = self.in_flight or launched, None
-            return self.finish(done)  # after the forward: its tokens in place (Scheduler.update), text, stats
+            result = self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
+            return result if first is None else first
         except BaseException:
             self.forget_steps([out, *unfinished])
             raise
@@ -186,8 +198,9 @@ class LLMEngine:
             return LaunchedStep(out, None, StepTimes(started, scheduled, scheduled, scheduled))
         inp, sample_seqs = self.inputs.build(out.scheduled)  # (the sequence of each sampled row)
         sampling = self.sampling.batch(sample_seqs)
+        mask = self.structured.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         built = time.perf_counter()
-        forward = self.executor.launch(inp, sampling)
+        forward = self.executor.launch(inp, sampling, mask)
         return LaunchedStep(out, forward, StepTimes(started, scheduled, built, time.perf_counter()))
 
     def finish(self, step: LaunchedStep | None) -> StepResult:
@@ -200,6 +213,7 @@ class LLMEngine:
         tokens = step.forward.tokens() if step.forward is not None else []
         t_known = time.perf_counter()
         update = self.scheduler.update(step.scheduled, tokens)
+        self.structured.advance(update.appended)  # the grammars' matchers take the tokens put in place
         t_updated = time.perf_counter()
         deltas = self.detokenize(update, t_known)
         t_end = time.perf_counter()
@@ -278,6 +292,7 @@ class LLMEngine:
         done = []
         for seq in update.finished:
             self.sampling.release(seq)
+            self.structured.release(seq)
             req = self.requests[seq.request_id]
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now

@@ -258,7 +258,10 @@ class Scheduler:
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The speculator's drafts for a decoding sequence: at most one fewer than the tokens it may still
-        grow by (the model adds one of its own) and than this step's budget left."""
+        grow by (the model adds one of its own) and than this step's budget left. A sequence with structured
+        outputs gets none: it decodes plainly (its drafts are not checked against its grammar)."""
+        if seq.sampling_params.structured_outputs is not None:
+            return []
         room = self._max_len - seq.num_tokens
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
