@@ -136,8 +136,8 @@ def choice_grammar(choice: list[str]) -> str:
 def _compile(tokenizer_key: tuple, kind: str, spec: str) -> Any:
     compiler = _COMPILERS[tokenizer_key]
     if kind in ("json", "json_object"):  # a JSON object: OpenAI's json_object (xgrammar's builtin: any value)
-        return compiler.compile_json_schema(spec if kind == "json" else '{"type": "object"}', strict_mode=True,
-                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        schema = spec if kind == "json" else '{"type": "object"}'
+        return compiler.compile_json_schema(schema, strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "choice":
