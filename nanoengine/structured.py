@@ -98,7 +98,7 @@ class StructuredOutputsParams:
                 except ValueError as e:
                     raise StructuredOutputsError(f"structured_outputs.json is not valid JSON ({e}); pass a "
                                                  "JSON schema") from None
-            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, json.dumps(schema, separators=(",", ":"))  # (key order matters: properties)
         if kind == "choice":
             return kind, json.dumps(self.choice)
         if kind == "json_object":
@@ -193,7 +193,7 @@ class StructuredOutputs:
         _compiler(self.key, self.tokenizer, self.vocab_size, self.stop_ids)
         try:
             return _compile(self.key, kind, spec)
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - whatever the library refuses in a request is the request's fault
             raise StructuredOutputsError(f"structured_outputs: xgrammar cannot compile this {WHAT[kind]}: "
                                          f"{_library_message(e)}; fix it or leave it out") from None
 

@@ -190,3 +190,73 @@ def test_what_the_library_cannot_compile_is_an_error_naming_it(llm, kind, spec, 
     with pytest.raises(InvalidValueError, match=re.escape(message)):
         llm.generate(["Hi"], params, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+# ------------------------------------------------------------------------------------------ the server
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                     "maxItems": 3}},
+          "required": ["name", "age", "hobbies"], "additionalProperties": False}
+ASKS = ["Describe a fictional person as JSON.", "Who is Ada Lovelace? Answer in JSON.",
+        "Make up a pirate captain and give their details.", "Tell me about your best friend, in JSON.",
+        "Give a JSON profile of a retired chess champion."]
+
+
+@pytest.fixture(scope="module")
+def served():
+    import openai
+
+    from nanoengine.serve.server import Server
+
+    server = Server("smollm2-135m", port=0, log_level="warning",
+                    engine_options={"dtype": "float32", "num_kvcache_blocks": 128, "max_model_len": 1024})
+    with server:
+        yield server, openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.slow
+def test_openai_response_format_json_schema_validates_on_every_prompt(served):
+    _, client = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for ask in ASKS:
+        r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": ask}],
+                                           response_format=fmt, max_tokens=200, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", (ask, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    ask = "Reply with a JSON object with one key, ok, set to true."
+    r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": ask}],
+                                       response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    # vLLM's fields, through extra_body: structured_outputs and the older guided_*
+    r = client.completions.create(model="smollm2-135m", prompt="Is the sky blue?", max_tokens=8,
+                                  temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model="smollm2-135m", prompt="A date:", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.choices[0].text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format", ["JSON schema", "strnig"]),
+    ({"guided_regex": "a(b"}, "guided_regex", ["regex", "parenthesis"]),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", ["exactly one"]),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", ["not guided_regex and guided_choice"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     ["json_schema.schema"]),
+    ({"response_format": {"type": "yaml"}}, "response_format", []),
+])
+def test_what_cannot_be_compiled_or_is_given_twice_is_a_400_naming_it(served, fields, param, words):
+    import httpx
+
+    server, _ = served
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            **fields}
+    r = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err

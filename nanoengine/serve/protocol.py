@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nanoengine.errors import InvalidValueError
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.structured import StructuredOutputsParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's default is "up to max_model_len"
 
@@ -36,6 +37,33 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`."""
+    name: str
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's request field `structured_outputs` (StructuredOutputsParams' fields: give one)."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's older names for structured_outputs' fields
 
 
 class _GenerationRequest(_Strict):
@@ -61,6 +89,14 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured outputs (nanoengine/structured.py): OpenAI's response_format, vLLM's structured_outputs,
+    # and vLLM's older guided_* fields; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _check_neutral(self, **fields: Any) -> None:
         """Refuse fields nanoengine does not implement unless they hold their neutral value."""
@@ -80,8 +116,43 @@ class _GenerationRequest(_Strict):
                   "skip_special_tokens": self.skip_special_tokens,
                   "include_stop_str_in_output": self.include_stop_str_in_output}
         given = {k: v for k, v in fields.items() if v is not None}
+        if (structured := self.structured_outputs_params()) is not None:
+            given["structured_outputs"] = structured
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(max_tokens=max_tokens, **given)
+
+    def structured_field(self) -> str | None:
+        """The request field that asks for structured outputs (None: none does); two at once is a 400."""
+        given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")  # plain text: nothing to constrain
+        if len(given) > 1:
+            raise ProtocolError(f"give one way to constrain the output, not {' and '.join(given)}", given[1])
+        return given[0] if given else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The StructuredOutputsParams the request asks for, whichever field it used."""
+        name = self.structured_field()
+        if name is None:
+            return None
+        fmt = self.response_format
+        if name == "response_format" and fmt.type == "json_schema" and (
+                fmt.json_schema is None or fmt.json_schema.json_schema is None):
+            raise ProtocolError("response_format of type json_schema needs json_schema.schema (the JSON "
+                                "schema the output must match)", name)
+        try:
+            if name == "response_format":
+                if fmt.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+            if name == "structured_outputs":
+                body = self.structured_outputs
+                return StructuredOutputsParams(json=body.json_, regex=body.regex, choice=body.choice,
+                                               grammar=body.grammar, json_object=body.json_object)
+            return StructuredOutputsParams(**{GUIDED_FIELDS[name]: getattr(self, name)})
+        except (InvalidValueError, TypeError) as e:
+            raise ProtocolError(f"{name}: {e}", name) from None
 
     @property
     def include_usage(self) -> bool:

@@ -76,6 +76,7 @@ from nanoengine.serve.protocol import (
     Usage,
 )
 from nanoengine.serve.trace_json import trace_to_dict
+from nanoengine.structured import StructuredOutputsError
 from nanoengine.tokenizer import CHAT_ROLES
 
 ChunkOf = Callable[[list[Any], dict | None], BaseModel]  # (choices, usage or None) -> one chunk
@@ -196,7 +197,7 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
         params = check_n(body.sampling_params(COMPLETIONS_MAX_TOKENS), async_engine)
         prompts = body.prompts()
         rid = async_engine.new_id("cmpl")
-        stream = await async_engine.submit(prompts, params, rid)
+        stream = await submit(async_engine, body, prompts, params, rid)
         reply = functools.partial(completion_response, rid, model_name)
         if body.stream:
             return sse_response(sse_lines(async_engine, stream, reply, completion_choice,
@@ -210,7 +211,7 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
         conversation = body.conversation()
         params = check_n(body.sampling_params(None), async_engine)
         rid = async_engine.new_id("chatcmpl")
-        stream = await async_engine.submit([], params, rid, conversation=conversation)
+        stream = await submit(async_engine, body, [], params, rid, conversation=conversation)
         if body.stream:
             chunk = functools.partial(chat_chunk, rid, model_name)
             role = chat_role_choices(params.n)
@@ -220,6 +221,17 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
         resp = ChatCompletionResponse(id=rid, model=model_name, choices=chat_choices(stream),
                                       usage=Usage(**stream.usage))
         return JSONResponse(resp.model_dump())
+
+
+async def submit(async_engine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request_id: str,
+                 **kwargs: Any) -> RequestStream:
+    """async_engine.submit; a grammar the library cannot compile (structured outputs) is a 400 whose `param`
+    is the request field that asked for it (response_format, structured_outputs or a guided_* field)."""
+    try:
+        return await async_engine.submit(prompts, params, request_id, **kwargs)
+    except StructuredOutputsError as e:
+        e.param = body.structured_field() or e.param
+        raise
 
 
 def check_n(params: Any, async_engine: AsyncEngine) -> Any:
