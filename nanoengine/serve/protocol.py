@@ -6,7 +6,9 @@ engine checks them, by `SamplingParams` (ranges, with a message naming the field
 admission (prompt length against `max_model_len`). Fields OpenAI has and nanoengine does not implement
 (penalties, logprobs, echo) are accepted only at their neutral value. vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them
-through `extra_body`.
+through `extra_body`. Structured outputs (nanoengine/structured.py): OpenAI's `response_format`, vLLM's
+`structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, one of
+them per request, become `SamplingParams.structured_outputs`.
 """
 
 from __future__ import annotations

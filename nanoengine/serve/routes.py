@@ -225,9 +225,12 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
 
 async def submit(async_engine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request_id: str,
                  **kwargs: Any) -> RequestStream:
-    """async_engine.submit; a grammar the library cannot compile (structured outputs) is a 400 whose `param`
-    is the request field that asked for it (response_format, structured_outputs or a guided_* field)."""
+    """async_engine.submit. Structured outputs: the grammar is compiled here first, in a worker thread (the
+    engine thread then finds it in the cache, and steps on meanwhile); one the library cannot compile is a 400
+    whose `param` is the request field that asked for it (response_format, structured_outputs, guided_*)."""
     try:
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(async_engine.llm_engine.structured.compile, params.structured_outputs)
         return await async_engine.submit(prompts, params, request_id, **kwargs)
     except StructuredOutputsError as e:
         e.param = body.structured_field() or e.param
