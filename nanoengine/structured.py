@@ -30,11 +30,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from nanoengine.errors import InvalidTypeError, InvalidValueError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (torch only for the hints: SamplingParams and the server's front end import this module)
+    import torch
+
     from nanoengine.engine.sequence import Sequence
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
