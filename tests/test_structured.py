@@ -260,3 +260,17 @@ def test_what_cannot_be_compiled_or_is_given_twice_is_a_400_naming_it(served, fi
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and all(w in err["message"] for w in words), err
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+@pytest.mark.slow
+def test_structured_bench_writes_its_json(tmp_path):
+    from nanoengine.bench import structured as bench
+
+    argv = ["--batches", "1,4", "--max-tokens", "6", "--repeats", "1", "--out-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    result = json.loads(next(tmp_path.glob("structured_tiny-qwen3_structured-mask_*.json")).read_text())
+    for batch in ("1", "4"):
+        r = result["batches"][batch]
+        assert r["decode_step_ms_with"] > 0 and r["decode_step_ms_without"] > 0
+        assert r["fill_ms"] > 0 and r["apply_ms"] > 0
