@@ -6,10 +6,11 @@
 For each batch size, B identical requests decode `--max-tokens` tokens together (greedy, ignore_eos), once
 without a grammar and once with one that never ends (`root ::= [a-z ]+ root`: every step of every row is
 masked, and the end of sequence is never allowed), so both runs do the same number of steps. The decode step
-time is a request's (last token - first token) / (tokens - 1), the median over requests and `--repeats`;
-`mask_ms` is the difference. Apart from the engine, the mask's two parts are timed on the engine's own
-grammars: filling the bitmask from the matchers (`StructuredOutputs.mask`, on the host) and applying it to a
-copy of the logits (`TokenMask.apply`). JSON in `--out-dir`.
+time is the engine's own (StepStats: schedule + prepare + forward and draw + postprocess), the median over
+the decode steps, then over `--repeats`; `mask_ms` is the difference (on a busy machine it is noisy at batch
+1: the parts below are the steadier figure). Apart from the engine, the mask's two parts are timed on the
+engine's own grammars: filling the bitmask from the matchers (`StructuredOutputs.mask`, on the host) and
+applying it to a copy of the logits (`TokenMask.apply`). JSON in `--out-dir`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ PROMPT = "Write a long story about a lighthouse keeper"
 
 
 def decode_step_ms(llm: LLM, batch: int, params: SamplingParams) -> float:
-    """The median decode step (ms) of `batch` identical requests decoding together."""
-    outs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
-    steps = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-             for o in outs]
+    """The median decode step (ms: schedule + prepare + forward and draw + postprocess, the engine's
+    StepStats) of `batch` identical requests decoding together."""
+    llm.engine.clear_stats()
+    llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    steps = [s.schedule_s + s.prepare_s + s.forward_s + s.postprocess_s for s in llm.engine.stats
+             if not s.prefill_tokens]
     return 1e3 * statistics.median(steps)
 
 
