@@ -1,5 +1,5 @@
-"""lm-evaluation-harness's `local-completions` against a test server equals its `hf` model (transformers on the
-same weights) on two tiny local tasks (tests/data/lm_eval/): a multiple-choice task (each choice's
+"""lm-evaluation-harness's `local-completions` against a test server equals its `hf` model (transformers on
+the same weights) on two tiny local tasks (tests/data/lm_eval/): a multiple-choice task (each choice's
 loglikelihood over the server: echo + logprobs with max_tokens 1) and a generate_until task (greedy, stop
 strings). smollm2-135m, a real model, so the accuracies are neither 0 nor 1.
 
@@ -26,9 +26,10 @@ def _evaluate(model: str, model_args: dict):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    tasks = TaskManager(include_path=str(TASKS))
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["nano_mc", "nano_gen"],
-                                   device="cpu", batch_size=BATCH, task_manager=TaskManager(include_path=str(TASKS)),
-                                   log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+                                   device="cpu", batch_size=BATCH, task_manager=tasks, log_samples=True,
+                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0)
 
 
 def _samples(result: dict, task: str) -> list[dict]:
@@ -47,8 +48,8 @@ def test_local_completions_against_the_server_equals_hf(smollm2_path, monkeypatc
     engine = {"dtype": "float32", "max_model_len": 512, "num_kvcache_blocks": 256}
     with Server(MODEL, port=0, log_level="warning", engine_options=engine) as server:
         api = _evaluate("local-completions", {"base_url": f"{server.url}/completions", "model": MODEL,
-                                              "tokenizer": str(smollm2_path), "tokenizer_backend": "huggingface",
-                                              "max_length": 512})
+                                              "tokenizer": str(smollm2_path),
+                                              "tokenizer_backend": "huggingface", "max_length": 512})
 
     # multiple choice: every choice's loglikelihood, then the accuracy
     mc_hf, mc_api = _samples(hf, "nano_mc"), _samples(api, "nano_mc")
@@ -65,5 +66,5 @@ def test_local_completions_against_the_server_equals_hf(smollm2_path, monkeypatc
     # generate_until: the same greedy text per doc, then the same exact_match
     gen_hf, gen_api = _samples(hf, "nano_gen"), _samples(api, "nano_gen")
     assert [s["filtered_resps"] for s in gen_api] == [s["filtered_resps"] for s in gen_hf]
-    em_hf, em_api = hf["results"]["nano_gen"]["exact_match,strip"], api["results"]["nano_gen"]["exact_match,strip"]
+    em_hf, em_api = (r["results"]["nano_gen"]["exact_match,strip"] for r in (hf, api))
     assert em_api == em_hf and 0 < em_hf < 1

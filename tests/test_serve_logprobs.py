@@ -121,8 +121,8 @@ def test_completion_logprobs_and_echo_equal_the_engine_streamed_or_not(server, o
     r = _post(server, "completions", {"prompt": prompt, "max_tokens": 5, "logprobs": 3, "echo": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=3),
-                            use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=3)
+    want = offline.generate([prompt], params, use_tqdm=False)[0]
     positions = want.prompt_logprobs + want.outputs[0].logprobs
     lp = choice["logprobs"]
     assert choice["text"] == prompt + want.outputs[0].text
@@ -188,7 +188,8 @@ def test_chat_logprobs_equal_the_engine_streamed_or_not(server, offline):
     assert len(content) == 6
     for entry, position in zip(content, want.outputs[0].logprobs, strict=True):
         own = next(iter(position.values()))
-        assert entry["token"] == own.decoded_token and entry["logprob"] == pytest.approx(own.logprob, abs=1e-5)
+        assert entry["token"] == own.decoded_token
+        assert entry["logprob"] == pytest.approx(own.logprob, abs=1e-5)
         assert entry["bytes"] == list(own.decoded_token.encode())
         best = sorted((lp for lp in position.values() if lp.rank <= 2), key=lambda lp: lp.rank)
         assert [t["token"] for t in entry["top_logprobs"]] == [lp.decoded_token for lp in best]
