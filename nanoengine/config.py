@@ -31,8 +31,8 @@ QUANTIZATIONS = (None, "int8")
 # speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
 # output so far; "draft_model" runs a small model that shares the target's tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# which distribution a request's logprobs come from (vLLM's `logprobs_mode`; chapter 05): "raw_logprobs" is the
-# model's own (log_softmax of the logits, before temperature and filters; vLLM v1's default),
+# which distribution a request's logprobs come from (vLLM's `logprobs_mode`; chapter 05): "raw_logprobs" is
+# the model's own (log_softmax of the logits, before temperature and filters; vLLM v1's default),
 # "processed_logprobs" the one the token was drawn from (after temperature, top-k, top-p, min-p)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SPECULATIVE_TOKENS = 16
