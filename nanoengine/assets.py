@@ -323,12 +323,15 @@ def hub_snapshot(repo_id: str) -> Path:
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - every way the Hub or its cache fails becomes the one error below
-        if offline:
-            why = f"offline, HF_HUB_OFFLINE=1, and not in the cache at {constants.HF_HUB_CACHE}"
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        error = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+        if offline:  # not cached at all, or cached in part (IncompleteSnapshotError: the error says what)
+            where = f"the cache at {constants.HF_HUB_CACHE}"
+            missing = type(e).__name__ == "LocalEntryNotFoundError"
+            why = f"offline, HF_HUB_OFFLINE=1, and {f'not in {where}' if missing else f'{where}: {error}'}"
             fix = f"download it while online (`hf download {repo_id}`, or unset HF_HUB_OFFLINE)"
         else:
-            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            why = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+            why = error
             fix = ("check the id and your connection (a gated or private model needs `hf auth login` or "
                    "HF_TOKEN)")
         raise ModelNotFoundError(f"model {repo_id!r}: no local folder {repo_id!r}, and the Hugging Face "
