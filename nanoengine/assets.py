@@ -272,6 +272,7 @@ def ensure(name: str, force: bool = False) -> Path:
 # what a Hub download fetches: configs, tokenizers (json, BPE merges, sentencepiece, tiktoken), chat
 # templates, safetensors weights; never *.bin/*.pt/*.gguf/*.onnx copies of them (nanoengine loads safetensors)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+MODEL_HELP = "a local Hugging Face folder, an asset name, or a Hugging Face Hub id (org/name)"  # --model
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the Hub spells repo ids
 
 
