@@ -23,7 +23,10 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as a string, a list of token ids, or a dict with
-    'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else."""
+    'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else.
+
+    A dict with both keys is vLLM's TokensPrompt with its optional text: the ids are what runs, and the text
+    (not tokenized, not checked against the ids) is only carried into RequestOutput.prompt."""
     if isinstance(prompt, dict):
         unknown = [k for k in prompt if k not in PROMPT_KEYS]
         if unknown:
