@@ -88,7 +88,7 @@ def test_tp2_equals_tp1_token_for_token(regime):
 
 
 def test_tp2_logprobs_equal_tp1():
-    """Logprobs (generated and prompt) through the sharded vocabulary, gathered on rank 0, == one process's."""
+    """Logprobs (generated and prompt) through the sharded vocabulary, gathered on rank 0: one process's."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     want = LLM("tiny-qwen3", dtype="float32").generate(PROMPTS[:2], params, use_tqdm=False)
     with LLM("tiny-qwen3", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32) as two:
