@@ -161,3 +161,17 @@ class IncrementalDetokenizer:
         self.text += delta
         self.read_offset = len(self.token_ids)
         return delta
+
+
+class TokenTexts:
+    """Each token's own text (vLLM's `decoded_token` of a logprob: the token decoded alone), cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -128,19 +128,30 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart]
+    # a string, or OpenAI's list of content parts: {"type": "text", "text": ...} parts are joined; any other
+    # type (image_url, input_audio, file, ...) is refused by name in `text` (a dict here, so that the error
+    # names the part's type instead of pydantic's "Input should be a valid string")
+    content: str | list[dict[str, Any]]
     name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    def text(self, i: int) -> str:
+        """This message's content as one string (it is message `i`); a part that is not text is a 400."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text":
+                what = f"has type {kind!r}" if isinstance(kind, str) else "has no string 'type'"
+                raise ProtocolError(f"message {i}'s content part {j} {what}; nanoengine serves text models: "
+                                    "only 'text' parts are supported", "messages")
+            if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ProtocolError(f"message {i}'s content part {j} is a text part: it takes exactly 'type' "
+                                    f"and a string 'text', got keys {sorted(part)}", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -164,7 +175,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ProtocolError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return [m.as_dict() for m in self.messages]
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 # ------------------------------------------------------------------------------------------ responses
