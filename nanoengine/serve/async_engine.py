@@ -295,7 +295,7 @@ class AsyncEngine:
             if add.echo:
                 decode = eng.tokenizer.decode
                 stream.echo = [(r.prompt if r.prompt is not None else decode(r.prompt_token_ids),
-                                decode(r.prompt_token_ids[:1])) for r in reqs]
+                                eng.token_texts(r.prompt_token_ids[0])) for r in reqs]
         except Exception as e:  # noqa: BLE001 - the engine's error (bad prompt, too long) goes to the handler
             self._resolve(stream.accepted, error=e)
             return
@@ -419,5 +419,5 @@ class AsyncEngine:
             new, live.logprobs_sent[index] = c.logprobs[start:end], max(start, end)
         if req.params.prompt_logprobs is not None and index not in live.prompt_sent:
             live.prompt_sent.add(index)
-            prompt = req.prompt_logprobs
+            prompt = list(req.prompt_logprobs or ())
         return new, prompt
