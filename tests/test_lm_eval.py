@@ -18,7 +18,7 @@ pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api]: 
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
 MODEL = "smollm2-135m"
-TOL = 2e-3  # nats: float32 on both sides, different attention code
+TOL = 1e-3  # nats: float32 on both sides, different attention code (measured: 1.6e-5 at most)
 BATCH = 8
 
 

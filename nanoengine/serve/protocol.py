@@ -7,9 +7,9 @@ admission (prompt length against `max_model_len`). Fields OpenAI has and nanoeng
 (penalties, best_of, suffix) are accepted only at their neutral value. Logprobs are OpenAI's two shapes:
 /v1/completions' legacy `logprobs: k` (with `echo`, the prompt's too; `max_tokens: 0` with echo scores the
 prompt alone, as vLLM does) and chat's `logprobs: true` + `top_logprobs: k`; k is at most the engine's
-`max_logprobs` (`serve/logprobs.py` builds them). vLLM's extra sampling fields (`top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them
-through `extra_body`.
+`max_logprobs` (`serve/logprobs.py` builds them). vLLM's extra sampling fields (`top_k`, `min_p`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them through
+`extra_body`.
 """
 
 from __future__ import annotations
