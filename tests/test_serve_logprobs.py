@@ -56,7 +56,9 @@ def test_chat_shape_top_by_rank():
 def test_stream_chunks_add_up_to_the_reply(echo_only):
     """Hand-made events (text held back and split unlike the tokens) against the reply built from the
     finished RequestOutput: the same text and the same logprobs, offsets included."""
-    stream = RequestStream("cmpl-1", num_prompts=1, n=1, loop=asyncio.new_event_loop())
+    loop = asyncio.new_event_loop()
+    stream = RequestStream("cmpl-1", num_prompts=1, n=1, loop=loop)
+    loop.close()  # (only its accepted future is made on it)
     stream.echo = [("Hi there!", "Hi")]
     out = CompletionOutput(0, " yes.", [5, 8], "length", logprobs=OUT_LPS)
     stream.outputs = [RequestOutput("r", "Hi there!", [1, 2, 3], [out], True, prompt_logprobs=PROMPT_LPS)]
