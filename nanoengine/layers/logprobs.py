@@ -3,8 +3,8 @@
 A request with `SamplingParams.logprobs=k` gets, for each generated token, its log probability, its rank (1 is
 the most likely; tokens as likely as it count ahead of it, as in vLLM) and the k most likely tokens with
 theirs; `prompt_logprobs=k` the same for every prompt token after the first, at the row of the token before
-it. The reduction runs where the logits are (`row_logprobs`: one log_softmax, a gather, a count and a top-k
-per row), so only [rows, k + 2] numbers travel to the host, never [rows, vocab].
+it. The reduction runs where the logits are (`row_logprobs`: a logsumexp, a gather, a count and a top-k per
+row), so only [rows, k + 2] numbers travel to the host, never [rows, vocab].
 
 Which distribution (`EngineConfig.logprobs_mode`, vLLM's names):
 - "raw_logprobs" (vLLM v1's default): log_softmax of the model's logits, before temperature and filters;
@@ -50,12 +50,15 @@ class RowLogprobs:
         return list(zip(*(t.tolist() for t in self.tensors())))
 
 
-def row_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> RowLogprobs:
-    """Reduce log probabilities [R, V] to each row's `tokens` [R] and its top k."""
-    own = logprobs.gather(-1, tokens[:, None])  # [R, 1]
-    ranks = (logprobs >= own).sum(dim=-1)  # [R]: 1 for the most likely token
-    top = logprobs.topk(k, dim=-1)  # [R, k] each
-    return RowLogprobs(own.squeeze(-1), ranks, top.indices, top.values)
+def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowLogprobs:
+    """Reduce logits [R, V] fp32 to the log probabilities of each row's `tokens` [R] and of its top k. A
+    logprob is a logit less its row's logsumexp, so only the R * (k + 1) numbers kept are subtracted (no
+    [R, V] log_softmax is written), and ranks and the top k are read off the logits (the same order)."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+    own = logits.gather(-1, tokens[:, None])  # [R, 1]
+    ranks = (logits >= own).sum(dim=-1, dtype=torch.int32).long()  # [R]: 1 for the most likely token
+    top = logits.topk(k, dim=-1)  # [R, k] each
+    return RowLogprobs((own - lse).squeeze(-1), ranks, top.indices, top.values - lse)
 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingBatch,
@@ -65,10 +68,10 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampl
         divisors = sampling.divisors.to(logits.device)
         logits = apply_top_k_top_p_min_p(logits / divisors[:, None], sampling.top_ks, sampling.top_ps,
                                          sampling.min_ps)  # [S, V]
-    return row_logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, wanted.sampled_k)
+    return row_logprobs(logits.float(), tokens, wanted.sampled_k)
 
 
 def prompt_logprobs(logits: torch.Tensor, wanted: LogprobsWanted) -> RowLogprobs:
     """The prompt rows' logprobs: logits [P, V] fp32, each row's next prompt token in `prompt_targets`."""
     targets = wanted.prompt_targets.to(logits.device)  # [P]
-    return row_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, wanted.prompt_k)
+    return row_logprobs(logits.float(), targets, wanted.prompt_k)

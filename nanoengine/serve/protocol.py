@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanoengine.errors import InvalidValueError
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.tokenizer import message_text
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's default is "up to max_model_len"
 
@@ -138,20 +139,10 @@ class ChatMessage(_Strict):
 
     def text(self, i: int) -> str:
         """This message's content as one string (it is message `i`); a part that is not text is a 400."""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            kind = part.get("type")
-            if kind != "text":
-                what = f"has type {kind!r}" if isinstance(kind, str) else "has no string 'type'"
-                raise ProtocolError(f"message {i}'s content part {j} {what}; nanoengine serves text models: "
-                                    "only 'text' parts are supported", "messages")
-            if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
-                raise ProtocolError(f"message {i}'s content part {j} is a text part: it takes exactly 'type' "
-                                    f"and a string 'text', got keys {sorted(part)}", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
+        try:
+            return message_text(self.content, i)
+        except (InvalidValueError, InvalidTypeError) as e:
+            raise ProtocolError(str(e), "messages") from None
 
 
 class ChatCompletionRequest(_GenerationRequest):
