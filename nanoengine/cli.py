@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--list", action="store_true", help="list assets and whether they are built")
     a.set_defaults(fn=cmd_assets)
     d = sub.add_parser("demo", help="answer a few questions with the default model")
-    d.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name or local Hugging Face folder")
+    d.add_argument("--model", default=assets.DEFAULT_MODEL, help=assets.MODEL_HELP)
     d.add_argument("--max-tokens", type=int, default=64)
     d.set_defaults(fn=cmd_demo)
     for name, chat in (("generate", False), ("chat", True)):
         g = sub.add_parser(name, help=f"stream a {'chat answer' if chat else 'completion'} for one prompt")
         g.add_argument("prompt")
-        g.add_argument("--model", default=assets.DEFAULT_MODEL)
+        g.add_argument("--model", default=assets.DEFAULT_MODEL, help=assets.MODEL_HELP)
         g.add_argument("--max-tokens", type=int, default=128)
         g.add_argument("--temperature", type=float, default=0.0)
         g.add_argument("--seed", type=int, default=None)
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Serve a model over HTTP in OpenAI's API (FastAPI + uvicorn), on one "
                                    "continuously batched engine; point the openai client at "
                                    "http://HOST:PORT/v1.")
-    s.add_argument("model", nargs="?", default=assets.DEFAULT_MODEL,
-                   help="asset name or local Hugging Face folder")
+    s.add_argument("model", nargs="?", default=assets.DEFAULT_MODEL, help=assets.MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: a free port the OS picks (printed at start)")
     s.add_argument("--served-model-name", default=None,
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Benchmark nanoengine against transformers generate (and vLLM / nano-vllm "
                                    "when installed, on a GPU) on one seeded workload; prints a table and "
                                    "writes a JSON result and a plot.")
-    b.add_argument("--model", default=None, help="asset name or local Hugging Face folder (default: "
+    b.add_argument("--model", default=None, help=f"{assets.MODEL_HELP} (default: "
                    f"{assets.DEFAULT_MODEL}; with --host-only qwen3-0.6b-shape)")
     b.add_argument("--host-only", action="store_true",
                    help="the host's ms per decode step at batch 1/32/256 with the model stubbed, overlap "

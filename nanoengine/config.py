@@ -31,8 +31,8 @@ QUANTIZATIONS = (None, "int8")
 # speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
 # output so far; "draft_model" runs a small model that shares the target's tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# which distribution a request's logprobs come from (vLLM's `logprobs_mode`; chapter 05): "raw_logprobs" is the
-# model's own (log_softmax of the logits, before temperature and filters; vLLM v1's default),
+# which distribution a request's logprobs come from (vLLM's `logprobs_mode`; chapter 05): "raw_logprobs" is
+# the model's own (log_softmax of the logits, before temperature and filters; vLLM v1's default),
 # "processed_logprobs" the one the token was drawn from (after temperature, top-k, top-p, min-p)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SPECULATIVE_TOKENS = 16
@@ -43,8 +43,9 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): propose `num_speculative_tokens` tokens per step
     and verify them in one forward of the model. "ngram" (prompt lookup) matches the last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min, against the tokens before them; "draft_model" decodes them
-    greedily with `model` (a checkpoint folder or an asset name; it must share the target's tokenizer), its
-    weights quantized as `quantization` says (e.g. the target itself in int8 is a draft that agrees often)."""
+    greedily with `model` (a checkpoint folder, an asset name or a Hub id, as `assets.resolve_model` takes;
+    it must share the target's tokenizer), its weights quantized as `quantization` says (e.g. the target
+    itself in int8 is a draft that agrees often)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
@@ -86,8 +87,8 @@ class SpeculativeConfig:
                                     f"apply to method {method!r}, which takes {sorted(own)}")
         if method == "draft_model" and not isinstance(value.get("model"), str):
             raise InvalidValueError("EngineConfig: speculative_config method 'draft_model' needs 'model', "
-                                    "the draft's checkpoint folder or asset name (a small model with the "
-                                    'target\'s tokenizer), e.g. {"method": "draft_model", "model": '
+                                    "the draft's checkpoint folder, asset name or Hub id (a small model "
+                                    'with the target\'s tokenizer), e.g. {"method": "draft_model", "model": '
                                     '"/path/to/draft", "num_speculative_tokens": 4}')
         if value.get("quantization") not in QUANTIZATIONS:
             raise InvalidValueError(f"EngineConfig: speculative_config quantization must be one of "

@@ -1,10 +1,12 @@
 """SamplingParams: how one request is decoded (vLLM's names and defaults). Chapter 05.
 
-temperature 0 means greedy. `logprobs=k` asks for each generated token's logprob and rank and the k most likely
-tokens at its step; `prompt_logprobs=k` the same for every prompt token after the first (vLLM's fields; 0 =
-only the token itself). Which distribution they come from is the engine's `logprobs_mode` (config.py). top_k=-1 (or 0) and top_p=1 and min_p=0 switch those filters off. Every field
+temperature 0 means greedy. top_k=-1 (or 0) and top_p=1 and min_p=0 switch those filters off. Every field
 is checked here, type and range, with an error naming the field, the value and what is allowed
 (`InvalidValueError` / `InvalidTypeError`, subclasses of ValueError / TypeError).
+
+`logprobs=k` asks for each generated token's logprob and rank and the k most likely tokens at its step;
+`prompt_logprobs=k` the same for every prompt token after the first (vLLM's fields; 0 = the token's own only).
+Which distribution they come from is the engine's `logprobs_mode` (config.py; nanoengine/layers/logprobs.py).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), lo=0,
-                                             fix="None for no logprobs, 0 for the token's own, k for the top k"))
+                                             fix="None: none, 0: the token's own, k: and the top k"))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(f"{name} must be True or False, got {getattr(self, name)!r}", "pass a bool",

@@ -70,8 +70,9 @@ def eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def check_messages(messages: Any) -> None:
-    """A conversation is a non-empty list of {"role": one of CHAT_ROLES, "content": str} dicts."""
+def check_messages(messages: Any) -> list[dict]:
+    """A conversation is a non-empty list of {"role": one of CHAT_ROLES, "content": ...} dicts, the content a
+    string or a list of text parts (OpenAI's shape); returned with each content as one string."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidTypeError(f"a conversation is a non-empty list of messages, got {messages!r:.80}")
     for i, m in enumerate(messages):
@@ -82,10 +83,30 @@ def check_messages(messages: Any) -> None:
             raise InvalidValueError(f"message {i} needs 'role' and 'content'; it has {sorted(m)}")
         if m["role"] not in CHAT_ROLES:
             raise InvalidValueError(f"message {i} has role {m['role']!r}; use one of {CHAT_ROLES}")
-        if not isinstance(m["content"], str):
-            raise InvalidTypeError(f"message {i}'s content must be a string, "
-                                   f"got {type(m['content']).__name__}")
-        check_utf8(m["content"], f"content of message {i}")
+        check_utf8(message_text(m["content"], i), f"content of message {i}")
+    return [{**m, "content": message_text(m["content"], i)} for m in messages]
+
+
+def message_text(content: Any, i: int) -> str:
+    """Message i's content as one string: a string, or a list of text parts {"type": "text", "text": ...}
+    joined; any other part (an image, audio) is refused, naming its type."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise InvalidTypeError(f"message {i}'s content must be a string or a list of text parts, "
+                               f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"has type {kind!r}" if isinstance(kind, str) else "has no string 'type'"
+            raise InvalidValueError(f"message {i}'s content part {j} {what}; nanoengine serves text models: "
+                                    "only 'text' parts are supported")
+        if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+            raise InvalidValueError(f"message {i}'s content part {j} is a text part: it takes exactly 'type' "
+                                    f"and a string 'text', got keys {sorted(part)}")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def check_utf8(text: str, what: str) -> None:
@@ -107,7 +128,7 @@ def encode_text(tokenizer: Any, text: str, what: str = "prompt", **kwargs: Any) 
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
-    check_messages(messages)
+    messages = check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidValueError("this model's tokenizer has no chat template; "
                                 "use generate() with plain prompts")
@@ -161,3 +182,17 @@ class IncrementalDetokenizer:
         self.text += delta
         self.read_offset = len(self.token_ids)
         return delta
+
+
+class TokenTexts:
+    """Each token's own text (vLLM's `decoded_token` of a logprob: the token decoded alone), cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -91,7 +91,7 @@ def test_smollm2_knows_paris(smollm2_path):
 
 
 def test_resolve_model_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither an asset name"):
+    with pytest.raises(FileNotFoundError, match="not a local Hugging Face model folder"):
         assets.resolve_model(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         assets.resolve_model(tmp_path)

@@ -17,7 +17,7 @@ def test_cli_reports_bad_input_without_a_traceback(capsys):
 
     assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err
-    assert "neither an asset name" in err and "Traceback" not in err
+    assert "not a local Hugging Face model folder" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, match", [

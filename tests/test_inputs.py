@@ -124,3 +124,28 @@ def test_host_buffers_take_turns_are_reused_and_grown_only_when_a_step_needs_mor
     for want in (a_set, grown):
         again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
         assert builder.host is want and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]
+
+
+def test_prompt_logprob_rows_follow_the_prompt_chunks():
+    """A request with prompt logprobs gets a row for every prompt position of its chunk that predicts a prompt
+    token (not the last prompt token's, which is sampled), a 1-token chunk laid out as a decode included;
+    others get none. Each row's target is the next prompt token."""
+    bs = 4
+    wants = Sequence(list(range(500, 510)), SamplingParams(prompt_logprobs=2), bs)  # a 10-token prompt
+    wants.block_table = [1, 2, 3]
+    plain = seq_with(range(600, 606), [4, 5], computed=0)
+    b = InputBuilder(bs)
+    inp, _ = b.build([ScheduledSeq(plain, 6, True), ScheduledSeq(wants, 4, True, start=0)])
+    # plain's 6 rows first (scheduled first), then wants' positions 0..3, each predicting prompt token p + 1
+    assert inp.logprob_rows.tolist() == [6, 7, 8, 9]
+    assert [(r.seq, r.first, r.count) for r in b.last_prompt_rows] == [(wants, 1, 4)]
+    assert b.last_prompt_targets == [501, 502, 503, 504]
+    inp, _ = b.build([ScheduledSeq(wants, 1, True, start=4)])  # a 1-token chunk: laid out as a decode
+    assert inp.logprob_rows.tolist() == [0] and b.last_prompt_targets == [505]
+    inp, sample_seqs = b.build([ScheduledSeq(wants, 5, True, start=5)])  # to the end: the last one is sampled
+    assert inp.logprob_rows.tolist() == [0, 1, 2, 3] and b.last_prompt_targets == [506, 507, 508, 509]
+    assert inp.sample_rows.tolist() == [4] and sample_seqs == [wants]
+    second = Sequence(list(range(500, 510)), SamplingParams(prompt_logprobs=2), bs)
+    second.index, second.block_table = 1, [1, 2, 3]  # n > 1: the first completion computes them
+    inp, _ = b.build([ScheduledSeq(second, 10, True, start=0)])
+    assert inp.num_logprob_rows == 0 and b.last_prompt_rows == []

@@ -42,6 +42,17 @@ def test_input_forms_and_order(llm):
     no_leaks(llm)
 
 
+def test_a_prompt_dict_with_ids_and_text_runs_the_ids_and_carries_the_text(llm):
+    """vLLM's TokensPrompt: `prompt_token_ids` is what runs; `prompt` is only the output's text."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    both, from_ids, from_text = llm.generate(
+        [{"prompt_token_ids": ids, "prompt": PROMPTS[2]}, ids, PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert both.prompt == PROMPTS[2] and both.prompt_token_ids == ids
+    assert both.outputs[0].token_ids == from_ids.outputs[0].token_ids
+    assert both.outputs[0].token_ids != from_text.outputs[0].token_ids  # the text was not what ran
+    no_leaks(llm)
+
+
 def test_batched_equals_one_by_one(llm):
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for p, b in zip(PROMPTS, batched):

@@ -205,6 +205,26 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(server):
     # a field error names the field as OpenAI's `param`
     r = httpx.post(f"{server.url}/v1/completions", json={**good, "temperature": -1}, timeout=30)
     assert r.json()["error"]["param"] == "temperature"
+    # content parts: text parts are joined (the same answer as one string); an image part is named
+    chat = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": [
+        {"role": "user", "content": "Why is the sky blue?"}]}, timeout=30).json()
+    parts = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Why is the sky "},
+                                     {"type": "text", "text": "blue?"}]}]}, timeout=30).json()
+    assert parts["choices"][0]["message"] == whole["choices"][0]["message"]
+    assert parts["usage"] == whole["usage"]
+    image = [{"type": "text", "text": "What is in it?"},
+             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+    for content, words in [(image, ["message 1's content part 1 has type 'image_url'", "only 'text' parts"]),
+                           ([{"type": "text", "text": 3}], ["message 1's content part 0", "string 'text'"])]:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert all(w in err["message"] for w in words) and err["param"] == "messages", err
+    with pytest.raises(openai.BadRequestError, match="has type 'image_url'"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": image}])
     ok = server.client.completions.create(**good)
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
     assert server.metrics()["nanoengine_kv_cache_used_blocks"] == 0

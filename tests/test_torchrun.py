@@ -168,6 +168,24 @@ def test_the_launchers_variables_are_read_and_checked():
         launcher.launched({**env, "RANK": "2"})
 
 
+PARTIAL_SETS = [{"RANK": "1"}, {"RANK": "0", "MASTER_ADDR": "10.0.0.1"}, {"LOCAL_RANK": "0"},
+                {"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "29500"}]
+
+
+@pytest.mark.parametrize("partial", PARTIAL_SETS)
+def test_a_partial_set_of_the_launchers_variables_is_refused_naming_what_is_set_and_missing(partial):
+    """Not ignored (a run that would be one process where the user meant a rank of many): the error names
+    what is set and what is missing."""
+    with pytest.raises(InvalidValueError) as e:
+        launcher.launched(partial)
+    message = str(e.value)
+    set_part, missing_part = message.split(" set but ")
+    assert all(v in set_part for v in partial), message
+    missing = [v for v in launcher.VARIABLES if v not in partial]
+    assert all(v in missing_part.split(" not:")[0] for v in missing), message
+    assert not any(v in missing_part.split(" not:")[0] for v in partial), message
+
+
 def test_a_launcher_world_that_is_not_the_tp_size_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -87,6 +87,22 @@ def test_tp2_equals_tp1_token_for_token(regime):
     assert no_children_within(5) == []
 
 
+def test_tp2_logprobs_equal_tp1():
+    """Logprobs (generated and prompt) through the sharded vocabulary, gathered on rank 0: one process's."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want = LLM("tiny-qwen3", dtype="float32").generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM("tiny-qwen3", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32) as two:
+        got = two.generate(PROMPTS[:2], params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        pairs = list(zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])) + list(
+            zip(g.outputs[0].logprobs, w.outputs[0].logprobs))
+        for a, b in pairs:
+            token = next(iter(b))
+            assert next(iter(a)) == token and abs(a[token].logprob - b[token].logprob) < 1e-4
+    assert no_children_within(5) == []
+
+
 def test_each_rank_holds_its_share_and_the_pools_agree():
     with LLM("tiny-qwen3", tensor_parallel_size=2, kv_cache_memory_gb=0.01) as llm:
         shapes = llm.collective_rpc(shard_shapes)

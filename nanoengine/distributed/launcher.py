@@ -30,7 +30,8 @@ from nanoengine.errors import InvalidValueError
 if TYPE_CHECKING:  # torch only where a store is made: the data-parallel front end reads launched() too
     import torch.distributed as dist
 
-VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// needs (LOCAL_RANK: optional)
+VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// needs
+OPTIONAL = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")  # default: RANK and WORLD_SIZE (one machine); never alone
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_GRACE_S = 5  # a rank told to stop (SIGTERM/SIGINT) serves rank 0 this long more: its own shutdown is 2 s
 
@@ -54,15 +55,20 @@ class Launched:
 
 
 def launched(environ: dict[str, str] | None = None) -> Launched | None:
-    """This process's place among the launcher's ranks; None when no launcher started it (or one rank)."""
+    """This process's place among the launcher's ranks; None when no launcher started it (none of its
+    variables is set) or it started one rank. Some of the variables without the others is an error naming
+    both: a launcher sets them all, so a partial set is a mistake, not a single process."""
     env = os.environ if environ is None else environ
-    if "WORLD_SIZE" not in env:
+    given = [v for v in (*VARIABLES, *OPTIONAL) if env.get(v)]
+    if not given:
         return None
     missing = [v for v in VARIABLES if not env.get(v)]
-    if missing:
-        raise InvalidValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not: a launcher (torchrun) "
-                                f"sets all of {', '.join(VARIABLES)}; set them all, or unset WORLD_SIZE to "
-                                "run without one")
+    if missing:  # a partial set is a mistake (a variable left over, or one not exported), never ignored
+        def are(names: list[str]) -> str:
+            return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'}"
+        raise InvalidValueError(f"{are(given)} set but {are(missing)} not: a launcher (torchrun) sets all of "
+                                f"{', '.join(VARIABLES)}; set them all, or unset {', '.join(given)} to run "
+                                "without one")
     try:
         rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
         port = int(env["MASTER_PORT"])

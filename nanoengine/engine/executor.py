@@ -38,6 +38,7 @@ import torch
 
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.layers import logprobs as lp
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.layers.tp_group import SINGLE
 
@@ -67,14 +68,23 @@ class ForwardOutput:
         self.host_tokens: torch.Tensor | None = None  # CUDA: a pinned copy, ready once `ready` has fired
         self.ready: torch.cuda.Event | None = None
         self.future: Future | None = None  # CPU overlap: the forward on the executor's thread
+        # the step's logprobs, when a request asked (layers/logprobs.py): its sampled rows', its prompt rows'
+        self.sampled_logprobs: lp.RowLogprobs | None = None
+        self.prompt_logprobs: lp.RowLogprobs | None = None
 
-    def set(self, tokens: torch.Tensor | None, span: tuple[float, float] | None) -> None:
-        """The draw's tokens (where the forward ran); on CUDA their copy to the host starts behind an event,
-        without a sync."""
+    def set(self, tokens: torch.Tensor | None, span: tuple[float, float] | None,
+            sampled_logprobs: lp.RowLogprobs | None = None,
+            prompt_logprobs: lp.RowLogprobs | None = None) -> None:
+        """The draw's tokens (where the forward ran) and the step's logprobs; on CUDA their copies to the host
+        start behind an event, without a sync."""
         self.device_tokens, self.span = tokens, span
+        self.sampled_logprobs, self.prompt_logprobs = sampled_logprobs, prompt_logprobs
         if tokens is not None and tokens.device.type == "cuda":
-            self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host_tokens.copy_(tokens, non_blocking=True)
+            self.host_tokens = to_host(tokens)
+            for name in ("sampled_logprobs", "prompt_logprobs"):
+                row = getattr(self, name)
+                if row is not None:
+                    setattr(self, name, lp.RowLogprobs(*map(to_host, row.tensors())))
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -88,6 +98,13 @@ class ForwardOutput:
             self.ready.synchronize()
             return self.host_tokens.tolist()
         return self.device_tokens.tolist()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor, started without waiting (ready once an event recorded after it
+    fires)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class Executor(ABC):
@@ -114,30 +131,46 @@ class Executor(ABC):
         return self.runner.device
 
     def execute(self, model_input: ModelInput) -> torch.Tensor | None:
-        """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32."""
+        """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32 (then of
+        its prompt-logprob rows, if any)."""
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
     def launch(self, model_input: ModelInput, sampling: SamplingBatch,
-               mask: TokenMask | None = None) -> ForwardOutput:
+               logprobs: lp.LogprobsWanted | None = None, mask: TokenMask | None = None) -> ForwardOutput:
         """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
-        without waiting where the device or the thread allows; its `tokens()` waits for them. `mask`: the
-        grammars' token mask of structured outputs (nanoengine/structured.py), None for none."""
+        without waiting where the device or the thread allows; its `tokens()` waits for them. `logprobs`: the
+        logprobs a request in the step asked for, reduced beside the draw. `mask`: the grammars' token mask
+        of structured outputs (nanoengine/structured.py), None for none."""
         out = ForwardOutput(model_input)
         if self.thread is not None:
-            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, mask)
+            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, logprobs, mask)
         else:
-            self.run_and_draw(model_input, sampling, out, mask)
+            self.run_and_draw(model_input, sampling, out, logprobs, mask)
         return out
 
     @torch.inference_mode()
     def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput,
-                     mask: TokenMask | None = None) -> None:
+                     logprobs: lp.LogprobsWanted | None = None, mask: TokenMask | None = None) -> None:
         start = time.perf_counter()
-        logits = self.run_step(model_input, self.last_tokens)
-        # structured outputs: the sampler draws from the grammar-masked logits, a copy (`logits` stay raw)
-        drawn_from = logits if mask is None or logits is None else mask.apply(logits)  # [num_sampled, V]
-        self.last_tokens = None if logits is None else self.sampler(drawn_from, sampling)  # [num_sampled]
-        out.set(self.last_tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None)
+        logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
+        prompt = None
+        if logits is not None and model_input.num_logprob_rows:  # the prompt rows come after the sampled ones
+            logits, prompt_logits = logits[:model_input.num_sampled], logits[model_input.num_sampled:]
+            prompt = lp.prompt_logprobs(prompt_logits, logprobs)
+        if logits is None or not len(logits):
+            self.last_tokens = sampled = None
+        else:
+            # structured outputs: the sampler draws from the grammar-masked logits, a copy (`logits` stay raw;
+            # processed logprobs are of the distribution drawn from, so masked too)
+            drawn_from = logits if mask is None else mask.apply(logits)  # [num_sampled, V]
+            self.last_tokens = self.sampler(drawn_from, sampling)  # [num_sampled]
+            if logprobs is not None and logprobs.sampled_k is not None:
+                of = drawn_from if logprobs.mode == lp.PROCESSED else logits
+                sampled = lp.sampled_logprobs(of, self.last_tokens, sampling, logprobs)
+            else:
+                sampled = None
+        out.set(self.last_tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None,
+                sampled, prompt)
 
     def settle(self) -> None:
         """Wait for the steps launched on the thread (whatever they raise is dropped) and forget the last

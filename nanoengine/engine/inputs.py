@@ -10,7 +10,8 @@ out in four phases, named as in nano-vllm:
 - block tables: the decode rows' tables, padded into one [num_decode_rows, max_blocks] array;
 - sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and every
   row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
-  `SchedulerOutput.sampled`: its update reads the tokens in that order).
+  `SchedulerOutput.sampled`: its update reads the tokens in that order); and, for a request that asked for
+  prompt logprobs, its prompt rows (each predicts the next prompt token), whose logits come after them.
 Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
 already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
 the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
@@ -59,6 +60,8 @@ class ModelInput:
     # sampled (each a sequence's last token), in the order the sequences were scheduled
     prev_sampled: int = 0  # > 0: some input ids are -(row + 1), row `row` of the tokens of the step before
     # (which sampled this many)
+    logprob_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: prompt rows whose logprobs a
+    # request asked for (SamplingParams.prompt_logprobs); their logits follow the sampled rows'
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,15 @@ class ModelInput:
     @property
     def num_sampled(self) -> int:
         return self.sample_rows.shape[0]
+
+    @property
+    def num_logprob_rows(self) -> int:
+        return self.logprob_rows.shape[0]
+
+    @property
+    def logits_rows(self) -> torch.Tensor:
+        """The rows whose logits the step computes: the sampled rows, then the prompt-logprob rows."""
+        return torch.cat([self.sample_rows, self.logprob_rows]) if self.num_logprob_rows else self.sample_rows
 
     @property
     def is_decode_only(self) -> bool:
@@ -81,7 +93,16 @@ class ModelInput:
         return ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
                           self.positions.to(device, non_blocking=non_blocking),
                           self.attn.to(device, non_blocking),
-                          self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled)
+                          self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled,
+                          self.logprob_rows.to(device, non_blocking=non_blocking))
+
+
+class PromptRows(NamedTuple):
+    """A sequence's prompt-logprob rows in one step: the prompt tokens first..first+count-1, each predicted at
+    the row of the token before it (SamplingParams.prompt_logprobs)."""
+    seq: Sequence
+    first: int
+    count: int
 
 
 class BuiltStep(NamedTuple):
@@ -146,6 +167,9 @@ class InputBuilder:
         self.host = self.sets[0]
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.last_sample_seqs: list[Sequence] = []  # the last built step's sampled rows (its tokens: pending)
+        # the last built step's prompt-logprob rows (ModelInput.logprob_rows), and the token each predicts
+        self.last_prompt_rows: list[PromptRows] = []
+        self.last_prompt_targets: list[int] = []
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
@@ -161,6 +185,9 @@ class InputBuilder:
         sample_seqs: list[Sequence] = []
         row_seqs: list[Sequence] = []  # each decode row's sequence
         table_lens: list[int] = []  # each decode row's block-table length
+        logprob_rows: list[int] = []  # prompt rows whose logprobs a request asked for
+        prompt_rows: list[PromptRows] = []
+        targets: list[int] = []
         block_size = self.block_size
 
         # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
@@ -188,6 +215,10 @@ class InputBuilder:
                 if pos + 1 >= known:  # it reaches its end: its next token is sampled
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
+                elif pos + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs:  # a 1-token prompt chunk
+                    logprob_rows.append(len(ids) - 1)
+                    prompt_rows.append(PromptRows(seq, pos + 1, 1))
+                    targets.append(token_ids[pos + 1])
                 continue
             for p, token in enumerate([seq.token_ids[pos], *seq.spec_token_ids], pos):  # every row sampled
                 ids.append(token)
@@ -219,6 +250,11 @@ class InputBuilder:
                 # a token whose K/V already sits in a shared prefix-cache block is not written again
                 slots.append(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
                              + pos % block_size)
+            last = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token: before it
+            if last > start and seq.wants_prompt_logprobs:
+                logprob_rows += range(starts[-1], starts[-1] + last - start)
+                prompt_rows.append(PromptRows(seq, start + 1, last - start))
+                targets += seq.token_ids[start + 1:last + 1]
             if start + n >= known:  # the chunk reaches the end: its last known token's row and the drafts'
                 for pos in range(known - 1, start + n):
                     sample_rows.append(len(ids) - (start + n - pos))
@@ -240,10 +276,12 @@ class InputBuilder:
         nd = len(row_seqs)
         prev = len(self.last_sample_seqs) if prev_rows is not None else 0  # (only a decode's input pends)
         self.last_sample_seqs = sample_seqs
+        self.last_prompt_rows, self.last_prompt_targets = prompt_rows, targets
+        lp_rows = torch.tensor(logprob_rows, dtype=torch.int64) if logprob_rows else no_rows()  # [P]
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
             return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows,
-                                                       prev)), sample_seqs)
+                                                       prev, lp_rows)), sample_seqs)
 
         host.slots[:n] = slots
         # block tables of the decodes, and their context lengths (the new token included)
@@ -262,8 +300,8 @@ class InputBuilder:
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
             decode_context_lens=dctx, prefill_query_starts=starts, prefill_query_lens=qlens,
             prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
-        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows, prev)),
-                         sample_seqs)
+        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows, prev,
+                                                   lp_rows)), sample_seqs)
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
         """This step's set of host buffers (the sets take turns), free to overwrite (the copies out of it are
@@ -322,7 +360,7 @@ def verifies(s: Any) -> bool:
 
 def tensors_of(inp: ModelInput) -> list[torch.Tensor]:
     """Every tensor a ModelInput holds, its attention metadata's included."""
-    found = [inp.input_ids, inp.positions, inp.sample_rows]
+    found = [inp.input_ids, inp.positions, inp.sample_rows, inp.logprob_rows]
     for value in vars(inp.attn).values():
         for t in value if isinstance(value, list) else [value]:
             if isinstance(t, torch.Tensor):

@@ -35,13 +35,14 @@ from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput, StepUpdat
 from nanoengine.engine.sequence import Sequence
 from nanoengine.engine.step import EngineLoad, LaunchedStep, StepResult, StepTimes, TextDelta
 from nanoengine.errors import InvalidTypeError, InvalidValueError
-from nanoengine.outputs import RequestMetrics
+from nanoengine.layers.logprobs import LogprobsWanted
+from nanoengine.outputs import Logprob, PositionLogprobs, RequestMetrics
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.spec import make_speculator
 from nanoengine.spec.verify import SpecCounts
 from nanoengine.structured import StructuredOutputs
-from nanoengine.tokenizer import eos_token_ids
+from nanoengine.tokenizer import TokenTexts, eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
@@ -73,6 +74,7 @@ class LLMEngine:
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)
+        self.token_texts = TokenTexts(tokenizer)  # logprobs' decoded tokens
         # grammars of structured outputs (nanoengine/structured.py; the library is imported on first use)
         self.structured = StructuredOutputs(tokenizer, plan.hf_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -96,6 +98,12 @@ class LLMEngine:
             raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = parse_prompt(prompt, self.tokenizer, self.plan.hf_config.vocab_size)
         check_token_ids(params.stop_token_ids, self.plan.hf_config.vocab_size, "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise InvalidValueError(f"{name}={k} is more than this engine's max_logprobs="
+                                        f"{self.config.max_logprobs}; ask for fewer, or raise max_logprobs "
+                                        "(the server's --max-logprobs)")
         if params.structured_outputs is not None:  # compiled now (cached): a bad schema fails here
             self.structured.compile(params.structured_outputs)
         rid = request_id if request_id is not None else str(next(self._request_ids))
@@ -108,7 +116,8 @@ class LLMEngine:
                 s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
         self.scheduler.check_admission(seqs[0])
         return Request(rid, text, ids, params, [Completion(s, self.tokenizer, final_only) for s in seqs],
-                       RequestMetrics(time.perf_counter()))
+                       RequestMetrics(time.perf_counter()),
+                       None if params.prompt_logprobs is None else [None] * len(ids))
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -198,10 +207,18 @@ class LLMEngine:
             return LaunchedStep(out, None, StepTimes(started, scheduled, scheduled, scheduled))
         inp, sample_seqs = self.inputs.build(out.scheduled)  # (the sequence of each sampled row)
         sampling = self.sampling.batch(sample_seqs)
+        prompt_rows = self.inputs.last_prompt_rows
+        wanted, k = None, None if sampling is None else sampling.num_logprobs  # (None: no row is sampled)
+        if k is not None or prompt_rows:  # a request asked for logprobs
+            wanted = LogprobsWanted(k, self.config.logprobs_mode)
+            if prompt_rows:
+                wanted.prompt_targets = torch.tensor(self.inputs.last_prompt_targets)  # [P]
+                wanted.prompt_k = max(r.seq.sampling_params.prompt_logprobs for r in prompt_rows)
         mask = self.structured.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         built = time.perf_counter()
-        forward = self.executor.launch(inp, sampling, mask)
-        return LaunchedStep(out, forward, StepTimes(started, scheduled, built, time.perf_counter()))
+        forward = self.executor.launch(inp, sampling, wanted, mask)
+        return LaunchedStep(out, forward, StepTimes(started, scheduled, built, time.perf_counter()),
+                            prompt_rows)
 
     def finish(self, step: LaunchedStep | None) -> StepResult:
         """Wait for a launched step's tokens, put them in place (Scheduler.update: stop rules, speculation's
@@ -214,12 +231,50 @@ class LLMEngine:
         t_known = time.perf_counter()
         update = self.scheduler.update(step.scheduled, tokens)
         self.structured.advance(update.appended)  # the grammars' matchers take the tokens put in place
+        if step.forward is not None:
+            self.add_logprobs(step, update)
         t_updated = time.perf_counter()
         deltas = self.detokenize(update, t_known)
         t_end = time.perf_counter()
         finished = self.note_times(step, update, t_end)
         stats = self.record(step, update, t_wait, t_known, t_updated, t_end)
         return StepResult(deltas, update.appended, finished, stats)
+
+    def add_logprobs(self, step: LaunchedStep, update: StepUpdate) -> None:
+        """The step's logprobs to the requests that asked: each generated token's to its Completion, each
+        prompt token's to its Request (a preempted prompt computed again writes the same entries again)."""
+        forward, requests = step.forward, self.requests
+        if forward.sampled_logprobs is not None:
+            rows = forward.sampled_logprobs.rows()
+            for (seq, new), row in zip(update.appended, update.rows):
+                completion = requests[seq.request_id].completions[seq.index]
+                if completion.logprobs is None:
+                    continue
+                k = seq.sampling_params.logprobs
+                for token, (logprob, rank, top_ids, top_logprobs) in zip(new, rows[row:row + len(new)]):
+                    completion.logprobs.append(self.position_logprobs(token, logprob, rank, top_ids[:k],
+                                                                      top_logprobs[:k]))
+                    completion.token_logprobs.append(logprob)
+        if step.prompt_rows:
+            rows, at = forward.prompt_logprobs.rows(), 0
+            for seq, first, count in step.prompt_rows:
+                req = requests.get(seq.request_id)
+                if req is not None:  # (None: aborted meanwhile)
+                    k, ids = seq.sampling_params.prompt_logprobs, req.prompt_token_ids
+                    for i, (logprob, rank, top_ids, top_logprobs) in enumerate(rows[at:at + count], first):
+                        req.prompt_logprobs[i] = self.position_logprobs(ids[i], logprob, rank, top_ids[:k],
+                                                                        top_logprobs[:k])
+                at += count
+
+    def position_logprobs(self, token: int, logprob: float, rank: int, top_ids: list[int],
+                          top_logprobs: list[float]) -> PositionLogprobs:
+        """One position's entry: its own token first, then the top k (a token in both appears once)."""
+        texts = self.token_texts
+        entry = {token: Logprob(logprob, rank, texts(token))}
+        for r, (t, value) in enumerate(zip(top_ids, top_logprobs), 1):
+            if t not in entry:
+                entry[t] = Logprob(value, r, texts(t))
+        return entry
 
     def detokenize(self, update: StepUpdate, sampled_at: float) -> list[TextDelta]:
         """Each sequence's new tokens to its Completion: the text deltas. A completion whose text reached a

@@ -179,14 +179,17 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, inp: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The forward of one step, then the logits of its sampled rows [num_sampled, vocab] fp32 (gathered
-        on rank 0; None on the other ranks, and when no row is sampled). `prev_tokens`: the tokens the step
+        """The forward of one step, then the logits of its sampled rows [num_sampled, vocab] fp32, followed by
+        its prompt-logprob rows' (gathered on rank 0; None on the other ranks, and when there are no rows).
+        `prev_tokens`: the tokens the step
         before sampled (rank 0; overlap scheduling), where some of this step's input ids are theirs."""
         inp = inp.to(self.device, non_blocking=True)
         if inp.prev_sampled:
             inp = self.with_sampled_ids(inp, prev_tokens)
         hidden = self.forward(inp)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[inp.sample_rows]) if inp.num_sampled else None
+        if not (inp.num_sampled or inp.num_logprob_rows):
+            return None
+        return self.model.compute_logits(hidden[inp.logits_rows])  # [num_sampled (+ prompt rows), vocab]
 
     def with_sampled_ids(self, inp: ModelInput, prev_tokens: torch.Tensor | None) -> ModelInput:
         """The step with its pending input ids (-(row + 1): row `row` of the step before's tokens) read from

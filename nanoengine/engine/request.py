@@ -14,7 +14,7 @@ from typing import Any
 
 from nanoengine.engine.sequence import Sequence
 from nanoengine.errors import InvalidTypeError, InvalidValueError
-from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import IncrementalDetokenizer, encode_text
 
@@ -23,7 +23,10 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 def parse_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as a string, a list of token ids, or a dict with
-    'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else."""
+    'prompt_token_ids' (and optionally 'prompt') or 'prompt'; a clear error for anything else.
+
+    A dict with both keys is vLLM's TokensPrompt with its optional text: the ids are what runs, and the text
+    (not tokenized, not checked against the ids) is only carried into RequestOutput.prompt."""
     if isinstance(prompt, dict):
         unknown = [k for k in prompt if k not in PROMPT_KEYS]
         if unknown:
@@ -78,6 +81,10 @@ class Completion:
         self.stop_string: str | None = None  # set when the text reached one of params.stop_strings
         self.num_dropped = 0  # then: the pushed tokens after the one that completed it (they are not kept)
         self.num_sent = 0  # characters of `text` already returned as deltas
+        # with SamplingParams.logprobs: one entry per token put in place (the engine adds them before `push`),
+        # and each token's own logprob (what cumulative_logprob adds up)
+        self.logprobs: list[PositionLogprobs] | None = [] if self.params.logprobs is not None else None
+        self.token_logprobs: list[float] = []
         # a stop string may be completed by a later token, so the last len(longest stop) - 1 characters are
         # held back until it is clear they stay (vLLM does the same); with the stop string kept in the output,
         # nothing ever needs taking back
@@ -131,8 +138,12 @@ class Completion:
         if self.deferred and len(self.detokenizer.token_ids) != len(ids):  # the text so far, in one decode
             self.detokenizer.token_ids = list(ids)
             self.text = self.detokenizer.text = self.detokenizer.decode_all()
+        logprobs = cumulative = None
+        if self.logprobs is not None:  # (a stop string may have dropped the last tokens: theirs go too)
+            logprobs, cumulative = self.logprobs[:len(ids)], sum(self.token_logprobs[:len(ids)])
         return CompletionOutput(index=seq.index, text=self.text, token_ids=list(ids),
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                cumulative_logprob=cumulative, logprobs=logprobs)
 
 
 @dataclass
@@ -143,6 +154,9 @@ class Request:
     params: SamplingParams
     completions: list[Completion]
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: one per prompt token, filled as the prompt is computed (None for
+    # the first, which nothing predicts)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -157,4 +171,5 @@ class Request:
         self.metrics.num_output_tokens = first.num_completion_tokens
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output() for c in self.completions], self.finished, self.metrics,
-                             first.num_cached_tokens)
+                             first.num_cached_tokens,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

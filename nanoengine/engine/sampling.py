@@ -55,6 +55,7 @@ class SamplingBatcher:
             min_ps=rows([p.min_p for p in params], torch.float32) if any_min_p else None,
             generators=gens, all_greedy=all(p.greedy for p in params),
             any_greedy=any(p.greedy for p in params),
+            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
     def release(self, seq: Sequence) -> None:

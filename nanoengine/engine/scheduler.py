@@ -81,6 +81,7 @@ class SchedulerOutput:
 class StepUpdate:
     """What `Scheduler.update` did with a step's tokens."""
     appended: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the tokens put in place
+    rows: list[int] = field(default_factory=list)  # the step's row of each appended entry's first token
     finished: list[Sequence] = field(default_factory=list)  # by the stop rules
     late_rows: int = 0  # sampled rows whose sequence had finished meanwhile (aborted; overlap: stopped)
 
@@ -244,7 +245,9 @@ class Scheduler:
         cache now, so that an identical prompt admitted later in this step shares them. Returns its new
         tokens."""
         bm = self.block_manager
-        seq.num_cached_tokens = bm.match_prefix(seq)
+        # a request that asked for prompt logprobs computes its whole prompt (a prefix-cache hit has no
+        # logits; vLLM does the same); the blocks it fills are still cached for others
+        seq.num_cached_tokens = 0 if seq.wants_prompt_logprobs else bm.match_prefix(seq)
         # always compute the last token
         seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -298,7 +301,7 @@ class Scheduler:
         for seq in out.sampled:
             drafts = seq.spec_token_ids
             new = tokens[i:i + 1 + len(drafts)] if drafts else [tokens[i]]
-            i += len(new)
+            row, i = i, i + len(new)
             if seq.status is finished:
                 result.late_rows += len(new)
                 continue
@@ -324,6 +327,7 @@ class Scheduler:
                 if reason is None:
                     out.blocks_freed += bm.truncate(seq, seq.num_tokens)  # only rejected drafts wrote them
             appended.append((seq, taken))
+            result.rows.append(row)
             if reason is not None:
                 out.blocks_freed += self._finish(seq, reason, stop_reason)
                 result.finished.append(seq)

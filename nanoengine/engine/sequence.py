@@ -86,6 +86,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its request asked for prompt logprobs, and it is the completion that computes them (the first)."""
+        return self.index == 0 and getattr(self.sampling_params, "prompt_logprobs", None) is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

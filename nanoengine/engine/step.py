@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from nanoengine.engine.executor import ForwardOutput
+    from nanoengine.engine.inputs import PromptRows
     from nanoengine.engine.request import Request
     from nanoengine.engine.scheduler import SchedulerOutput
     from nanoengine.engine.sequence import Sequence
@@ -35,6 +36,7 @@ class LaunchedStep:
     scheduled: SchedulerOutput
     forward: ForwardOutput | None  # None: nothing was scheduled
     times: StepTimes
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # its prompt-logprob rows, in order
 
     @property
     def is_empty(self) -> bool:

@@ -26,6 +26,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None = the engine's shared generator
     all_greedy: bool
     any_greedy: bool = True  # some row is greedy (known on the host: asking the device would sync)
+    num_logprobs: int | None = None  # the most top logprobs a row asked for (None: no row asked; logprobs.py)
 
     def __post_init__(self) -> None:
         # what every step that reuses this batch needs, made once: the rows with their own generator, and the

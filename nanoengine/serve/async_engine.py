@@ -7,10 +7,13 @@ SamplingParams through a thread-safe command queue and awaits their acceptance: 
 queued, with the engine's own error. Then the handler reads events (new text, finished choices) from its
 `RequestStream`, an asyncio queue that the engine thread fills after every step (one `call_soon_threadsafe`
 per step for all streams); `messages.py` has both kinds of message. The engine thread steps whenever there
-is work and sleeps on the command queue when there is none. Scheduling, stop rules and detokenization are the
-engine's (`LLMEngine.step`); nothing here re-decides them. `abort(stream)` (its client went away) frees its
-blocks within one step; `begin_shutdown(grace_s)` refuses new requests and aborts the in-flight ones still
-running after `grace_s` (their streams end with finish_reason "abort"); `stop()` ends the thread.
+is work and sleeps on the command queue when there is none. With logprobs, each event carries those of the
+tokens put in place since its choice's last event, and a choice's first event the prompt's; with echo, the
+engine thread (the tokenizer's one user) decodes each prompt's text and first token for the handler.
+Scheduling, stop rules and detokenization are the engine's (`LLMEngine.step`); nothing here re-decides them.
+`abort(stream)` (its client went away) frees its blocks within one step; `begin_shutdown(grace_s)` refuses
+new requests and aborts the in-flight ones still running after `grace_s` (their streams end with
+finish_reason "abort"); `stop()` ends the thread.
 
 The limits (`ServerLimits`) that need the engine are applied here: prompt tokens and the queue's length when
 a request is added, the first-token timeout before every step (a deque of deadlines in arrival order, so a
@@ -74,6 +77,8 @@ class _Live:
     stream: RequestStream
     prompt_index: int
     reported: set[int] = field(default_factory=set)  # completion indices whose ChoiceDone was sent
+    logprobs_sent: dict[int, int] = field(default_factory=dict)  # completion index -> positions sent
+    prompt_sent: set[int] = field(default_factory=set)  # completion indices sent the prompt's logprobs
     num_tokens: int = 0  # completion tokens counted so far (for the generation-tokens metric)
 
 
@@ -124,15 +129,15 @@ class AsyncEngine:
         return f"{prefix}-{self._ids}-{time.time_ns() % 10**9:09d}"
 
     async def submit(self, prompts: list[Any], params: SamplingParams, request_id: str,
-                     conversation: list[dict] | None = None) -> RequestStream:
+                     conversation: list[dict] | None = None, echo: bool = False) -> RequestStream:
         """Queue one request per prompt (or one for the conversation); raises the engine's error for a bad
-        one, in which case none is queued."""
+        one, in which case none is queued. echo: fill stream.echo (each prompt's text and first token)."""
         if not self.healthy:
             self.metrics.on_refused("unavailable")
             raise ServerBusyError(self.why_not_serving())
         n_prompts = 1 if conversation is not None else len(prompts)
         stream = RequestStream(request_id, n_prompts, params.n, self._loop)
-        self._commands.put(AddRequests(stream, prompts, params, conversation, time.perf_counter()))
+        self._commands.put(AddRequests(stream, prompts, params, conversation, time.perf_counter(), echo))
         try:
             while not (await asyncio.wait({stream.accepted}, timeout=IDLE_WAIT_S))[0]:
                 if not self._thread.is_alive():  # it ended before taking the request
@@ -287,6 +292,10 @@ class AsyncEngine:
             if conversation is not None:
                 prompts = [{"prompt_token_ids": apply_chat_template(eng.tokenizer, conversation)}]
             reqs = [eng.make_request(p, params, f"{stream.request_id}-{i}") for i, p in enumerate(prompts)]
+            if add.echo:
+                decode = eng.tokenizer.decode
+                stream.echo = [(r.prompt if r.prompt is not None else decode(r.prompt_token_ids),
+                                eng.token_texts(r.prompt_token_ids[0])) for r in reqs]
         except Exception as e:  # noqa: BLE001 - the engine's error (bad prompt, too long) goes to the handler
             self._resolve(stream.accepted, error=e)
             return
@@ -384,7 +393,8 @@ class AsyncEngine:
     def _events(self, live: _Live, texts: Any) -> list[Any]:
         """One request's new text (the engine's deltas) and newly finished choices, in that order."""
         n = live.stream.n
-        events: list[Any] = [Delta(live.prompt_index * n + i, text) for i, text in texts]
+        events: list[Any] = [Delta(live.prompt_index * n + i, text, *self._logprobs(live, i))
+                             for i, text in texts]
         tokens = 0
         for c in live.request.completions:
             seq = c.seq
@@ -392,7 +402,22 @@ class AsyncEngine:
             if seq.is_finished and seq.index not in live.reported:
                 live.reported.add(seq.index)
                 events.append(ChoiceDone(live.prompt_index * n + seq.index, seq.finish_reason,
-                                         seq.stop_reason))
+                                         seq.stop_reason, *self._logprobs(live, seq.index)))
         self.metrics.on_tokens(tokens - live.num_tokens)
         live.num_tokens = tokens
         return events
+
+    @staticmethod
+    def _logprobs(live: _Live, index: int) -> tuple[list | None, list | None]:
+        """Completion `index`'s logprobs not sent yet (those of its tokens in place, None without
+        SamplingParams.logprobs), and the prompt's on its first event (None without prompt_logprobs)."""
+        req = live.request
+        new = prompt = None
+        if req.params.logprobs is not None:
+            c = req.completions[index]
+            start, end = live.logprobs_sent.get(index, 0), min(len(c.logprobs), c.seq.num_completion_tokens)
+            new, live.logprobs_sent[index] = c.logprobs[start:end], max(start, end)
+        if req.params.prompt_logprobs is not None and index not in live.prompt_sent:
+            live.prompt_sent.add(index)
+            prompt = list(req.prompt_logprobs or ())
+        return new, prompt

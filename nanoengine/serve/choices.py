@@ -4,18 +4,30 @@ reply and chunks, and the choices inside them. Chapter 05 (appendix).
 A completion's reply and each of its stream's chunks have one shape (`completion_response`); a chat's reply
 holds messages and its chunks deltas (`ChatCompletionResponse`, `chat_chunk`). A choice's index is prompt
 number * n + completion number.
+
+With logprobs (`logprobs.py` shapes them) a chunk carries those of the tokens its event brought. A
+completion with echo shows each prompt before its completion, the prompt's logprobs before the completion's
+(in a stream, in the choice's first chunk); echo with max_tokens 0 (`echo_only`) shows the prompt alone: the
+one token generated for it is dropped, as vLLM does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from nanoengine.outputs import PositionLogprobs
+from nanoengine.serve.logprobs import chat_logprobs, completion_logprobs, next_offset
 from nanoengine.serve.messages import Delta, Event, RequestStream
 from nanoengine.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
     Usage,
 )
@@ -31,18 +43,70 @@ def completion_response(rid: str, model_name: str, choices: list[CompletionChoic
     return CompletionResponse(id=rid, model=model_name, choices=choices, usage=_usage(usage))
 
 
-def completion_choice(ev: Event) -> CompletionChoice:
-    if isinstance(ev, Delta):
-        return CompletionChoice(index=ev.index, text=ev.text)
-    return CompletionChoice(index=ev.index, text="", finish_reason=ev.finish_reason,
-                            stop_reason=ev.stop_reason)
+@dataclass
+class CompletionShape:
+    """What a completion request asks its choices to show beside the text."""
+    logprobs: bool = False  # each token's logprobs
+    echo: bool = False  # the prompt first
+    echo_only: bool = False  # the prompt alone (max_tokens 0)
+
+    @classmethod
+    def of(cls, body: CompletionRequest) -> CompletionShape:
+        return cls(body.logprobs is not None, bool(body.echo), body.echo_only)
 
 
-def completion_choices(stream: RequestStream, n: int) -> list[CompletionChoice]:
+def _choice(shape: CompletionShape, index: int, echo: tuple[str, str] | None,
+            prompt_logprobs: list[PositionLogprobs | None] | None, text: str,
+            logprobs: list[PositionLogprobs] | None, offset: int = 0) -> CompletionChoice:
+    """A choice (or a chunk's) with the prompt first when `echo` ((prompt text, its first token's text))."""
+    if shape.echo_only:
+        text, logprobs = "", []
+    lp = None
+    if shape.logprobs:
+        lp = CompletionLogprobs()
+        if echo is not None:
+            completion_logprobs(prompt_logprobs or [], offset, unscored=echo[1], into=lp)
+            offset = next_offset(lp) if lp.tokens else offset
+        completion_logprobs(logprobs or [], offset, into=lp)
+    return CompletionChoice(index=index, text=(echo[0] if echo is not None else "") + text, logprobs=lp)
+
+
+@dataclass
+class CompletionChunks:
+    """A completion stream's choice for each event (`__call__`), remembering per choice whether its prompt
+    was shown and where its next token's text starts."""
+    shape: CompletionShape
+    stream: RequestStream
+    started: set[int] = field(default_factory=set)
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    def __call__(self, ev: Event) -> CompletionChoice:
+        echo = None
+        if self.shape.echo and ev.index not in self.started:
+            echo = self.stream.echo[ev.index // self.stream.n]
+        self.started.add(ev.index)
+        text = ev.text if isinstance(ev, Delta) else ""
+        choice = _choice(self.shape, ev.index, echo, ev.prompt_logprobs, text, ev.logprobs,
+                         self.offsets.get(ev.index, 0))
+        if choice.logprobs is not None and choice.logprobs.tokens:
+            self.offsets[ev.index] = next_offset(choice.logprobs)
+        if not isinstance(ev, Delta):
+            choice.finish_reason, choice.stop_reason = ev.finish_reason, ev.stop_reason
+        return choice
+
+
+def completion_choices(stream: RequestStream, n: int,
+                       shape: CompletionShape | None = None) -> list[CompletionChoice]:
     """Every finished choice of every prompt, indexed prompt number * n + completion number."""
-    return [CompletionChoice(index=i * n + c.index, text=c.text, finish_reason=c.finish_reason,
-                             stop_reason=c.stop_reason)
-            for i, out in enumerate(stream.outputs) for c in out.outputs]
+    shape = shape or CompletionShape()
+    choices = []
+    for i, out in enumerate(stream.outputs):
+        for c in out.outputs:
+            echo = stream.echo[i] if shape.echo else None
+            choice = _choice(shape, i * n + c.index, echo, out.prompt_logprobs, c.text, c.logprobs)
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            choices.append(choice)
+    return choices
 
 
 def chat_chunk(rid: str, model_name: str, choices: list[ChatChunkChoice],
@@ -55,12 +119,22 @@ def chat_role_choices(n: int) -> list[ChatChunkChoice]:
     return [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)]
 
 
-def chat_chunk_choice(ev: Event) -> ChatChunkChoice:
+def _chat_logprobs(logprobs: list[PositionLogprobs] | None, top_logprobs: int | None) -> ChatLogprobs | None:
+    if top_logprobs is None:
+        return None
+    return ChatLogprobs(content=chat_logprobs(logprobs or [], top_logprobs))
+
+
+def chat_chunk_choice(ev: Event, top_logprobs: int | None = None) -> ChatChunkChoice:
+    """top_logprobs: None without logprobs, else k (the request's top_logprobs, 0 when left out)."""
+    lp = _chat_logprobs(ev.logprobs, top_logprobs)
     if isinstance(ev, Delta):
-        return ChatChunkChoice(index=ev.index, delta=ChatDelta(content=ev.text))
-    return ChatChunkChoice(index=ev.index, delta=ChatDelta(), finish_reason=ev.finish_reason)
+        return ChatChunkChoice(index=ev.index, delta=ChatDelta(content=ev.text), logprobs=lp)
+    return ChatChunkChoice(index=ev.index, delta=ChatDelta(), finish_reason=ev.finish_reason,
+                           logprobs=lp if lp is not None and lp.content else None)
 
 
-def chat_choices(stream: RequestStream) -> list[ChatChoice]:
+def chat_choices(stream: RequestStream, top_logprobs: int | None = None) -> list[ChatChoice]:
     return [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason) for c in stream.outputs[0].outputs]
+                       stop_reason=c.stop_reason, logprobs=_chat_logprobs(c.logprobs, top_logprobs))
+            for c in stream.outputs[0].outputs]

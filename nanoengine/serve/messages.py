@@ -5,7 +5,9 @@
   the shutdown flags now);
 - back to a handler, on its request's `RequestStream`: `Delta(index, text)` for new text,
   `ChoiceDone(index, finish_reason, stop_reason)` when a completion finishes, `RequestDone` when one prompt's
-  request has (with its RequestOutput), or `Failed` with the error its handler raises;
+  request has (with its RequestOutput), or `Failed` with the error its handler raises. With logprobs, a
+  Delta or ChoiceDone carries those of the tokens put in place since the choice's last event (all of them
+  add up to the completion's), and a choice's first event the prompt's (with prompt_logprobs);
 - the two errors a handler may get beside the engine's own: `ServerBusyError` (HTTP 503) and
   `EngineStepError` (HTTP 500).
 """
@@ -17,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoengine.outputs import RequestOutput
+from nanoengine.outputs import PositionLogprobs, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
@@ -42,6 +44,8 @@ class EngineStepError(RuntimeError):
 class Delta:
     index: int  # choice index: prompt number * n + completion number
     text: str
+    logprobs: list[PositionLogprobs] | None = None  # the new tokens' (with SamplingParams.logprobs)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # a choice's first event (prompt_logprobs)
 
 
 @dataclass
@@ -49,6 +53,8 @@ class ChoiceDone:
     index: int
     finish_reason: str
     stop_reason: int | str | None
+    logprobs: list[PositionLogprobs] | None = None  # those not sent with a Delta yet
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # when it is the choice's first event
 
 
 @dataclass
@@ -78,6 +84,8 @@ class RequestStream:
     outputs: list[RequestOutput | None] = field(default_factory=list)
     done: bool = False
     request_ids: list[str] = field(default_factory=list)  # its engine requests (engine thread)
+    # with echo: each prompt's text and its first token's (the engine thread decodes token-id prompts)
+    echo: list[tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -116,6 +124,7 @@ class AddRequests:
     params: SamplingParams
     conversation: list[dict] | None
     arrival: float  # time.perf_counter() when the HTTP request came in
+    echo: bool = False  # the handler shows each prompt's text: the engine thread fills stream.echo
 
     @property
     def answer(self) -> asyncio.Future:

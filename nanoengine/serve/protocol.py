@@ -4,9 +4,12 @@ Requests are parsed strictly (a string is not a number, `true` is not an integer
 refused, so nothing is accepted and ignored. Pydantic checks the shape; the values are checked where the
 engine checks them, by `SamplingParams` (ranges, with a message naming the field) and by the engine's
 admission (prompt length against `max_model_len`). Fields OpenAI has and nanoengine does not implement
-(penalties, logprobs, echo) are accepted only at their neutral value. vLLM's extra sampling fields (`top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them
-through `extra_body`. Structured outputs (nanoengine/structured.py): OpenAI's `response_format`, vLLM's
+(penalties, best_of, suffix) are accepted only at their neutral value. Logprobs are OpenAI's two shapes:
+/v1/completions' legacy `logprobs: k` (with `echo`, the prompt's too; `max_tokens: 0` with echo scores the
+prompt alone, as vLLM does) and chat's `logprobs: true` + `top_logprobs: k`; k is at most the engine's
+`max_logprobs` (`serve/logprobs.py` builds them). vLLM's extra sampling fields (`top_k`, `min_p`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client sends them through
+`extra_body`. Structured outputs (nanoengine/structured.py): OpenAI's `response_format`, vLLM's
 `structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, one of
 them per request, become `SamplingParams.structured_outputs`.
 """
@@ -18,9 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanoengine.errors import InvalidValueError
+from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.structured import StructuredOutputsParams
+from nanoengine.tokenizer import message_text
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's default is "up to max_model_len"
 
@@ -108,9 +112,9 @@ class _GenerationRequest(_Strict):
                 raise ProtocolError(f"{name}={value!r} is not supported by nanoengine; leave it out "
                                     f"(or {neutral!r})", name)
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """The request's SamplingParams (OpenAI's defaults where a field is left out); SamplingParams checks
-        every value and names the field in its error."""
+    def sampling_params(self, default_max_tokens: int | None, **extra: Any) -> SamplingParams:
+        """The request's SamplingParams (OpenAI's defaults where a field is left out; `extra`: fields an
+        endpoint decides, over those); SamplingParams checks every value and names the field in its error."""
         self._check_neutral(presence_penalty=0.0, frequency_penalty=0.0)
         fields = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "min_p": self.min_p, "seed": self.seed, "stop": self.stop, "min_tokens": self.min_tokens,
@@ -121,7 +125,7 @@ class _GenerationRequest(_Strict):
         if (structured := self.structured_outputs_params()) is not None:
             given["structured_outputs"] = structured
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return SamplingParams(max_tokens=max_tokens, **given)
+        return SamplingParams(**{"max_tokens": max_tokens, **given, **extra})
 
     def structured_field(self) -> str | None:
         """The request field that asks for structured outputs (None: none does); two at once is a 400."""
@@ -163,14 +167,29 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # not supported: None only
-    echo: bool | None = None  # False only
+    logprobs: int | None = None  # each token's logprob and the top `logprobs` (OpenAI's legacy shape)
+    echo: bool | None = None  # the prompt before the completion (with logprobs, the prompt's logprobs first)
     best_of: int | None = None  # None or n
     suffix: str | None = None  # None only
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (vLLM generates one token and drops it)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def sampling_params(self, default_max_tokens: int | None, **extra: Any) -> SamplingParams:
+        """With logprobs=k, the top k of each generated token, and with echo of each prompt token too."""
+        if self.max_tokens == 0 and not self.echo:
+            raise ProtocolError("max_tokens=0 generates nothing; ask for at least 1 token, or add echo=true "
+                                "to score the prompt alone", "max_tokens")
+        extra = {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None, **extra}
+        if self.echo_only:
+            extra["max_tokens"] = 1
+        return super().sampling_params(default_max_tokens, **extra)
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: a string, a list of token ids, or a list of either (one request each)."""
-        self._check_neutral(echo=False, suffix=None, logprobs=None)
+        self._check_neutral(suffix=None)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ProtocolError(f"best_of={self.best_of} is not supported by nanoengine; leave it out",
                                 "best_of")
@@ -183,34 +202,44 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart]
+    # a string, or OpenAI's list of content parts: {"type": "text", "text": ...} parts are joined; any other
+    # type (image_url, input_audio, file, ...) is refused by name in `text` (a dict here, so that the error
+    # names the part's type instead of pydantic's "Input should be a valid string")
+    content: str | list[dict[str, Any]]
     name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    def text(self, i: int) -> str:
+        """This message's content as one string (it is message `i`); a part that is not text is a 400."""
+        try:
+            return message_text(self.content, i)
+        except (InvalidValueError, InvalidTypeError) as e:
+            raise ProtocolError(str(e), "messages") from None
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool | None = None  # False only
-    top_logprobs: int | None = None  # None only
+    logprobs: bool | None = None  # each token's logprob (and with top_logprobs, the k most likely)
+    top_logprobs: int | None = None  # k, with logprobs=true only (OpenAI's rule)
+
+    def sampling_params(self, default_max_tokens: int | None, **extra: Any) -> SamplingParams:
+        """With logprobs=true, each generated token's logprob and the top `top_logprobs` (0 when left out)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs=true; add it, or leave top_logprobs out",
+                                "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ProtocolError(f"top_logprobs must be >= 0, got {self.top_logprobs}", "top_logprobs")
+        extra = {"logprobs": (self.top_logprobs or 0) if self.logprobs else None, **extra}
+        return super().sampling_params(default_max_tokens, **extra)
 
     def conversation(self) -> list[dict[str, str]]:
-        self._check_neutral(logprobs=False, top_logprobs=None)
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ProtocolError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return [m.as_dict() for m in self.messages]
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -224,10 +253,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs of a completion's tokens (with echo, the prompt's first): each token's text,
+    its logprob (None for the prompt's first token: nothing predicts it), {token: logprob} of it and the top
+    k, and where its text starts in the choice's text."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # the k most likely, by rank
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs (OpenAI's shape): one entry per generated token."""
+    content: list[TokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
@@ -249,7 +303,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -271,7 +325,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -39,13 +39,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from nanoengine.flags import engine_flag
 from nanoengine.serve.async_engine import AsyncEngine
 from nanoengine.serve.choices import (
+    CompletionChunks,
+    CompletionShape,
     chat_choices,
     chat_chunk,
     chat_chunk_choice,
     chat_role_choices,
-    completion_choice,
     completion_choices,
     completion_response,
 )
@@ -195,30 +197,34 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         params = check_n(body.sampling_params(COMPLETIONS_MAX_TOKENS), async_engine)
+        check_logprobs(params.logprobs, "logprobs", async_engine)
         prompts = body.prompts()
         rid = async_engine.new_id("cmpl")
-        stream = await submit(async_engine, body, prompts, params, rid)
+        stream = await submit(async_engine, body, prompts, params, rid, echo=bool(body.echo))
         reply = functools.partial(completion_response, rid, model_name)
+        shape = CompletionShape.of(body)
         if body.stream:
-            return sse_response(sse_lines(async_engine, stream, reply, completion_choice,
+            return sse_response(sse_lines(async_engine, stream, reply, CompletionChunks(shape, stream),
                                           include_usage=body.include_usage))
         await wait(async_engine, stream, request)
-        return JSONResponse(reply(completion_choices(stream, params.n), stream.usage).model_dump())
+        return JSONResponse(reply(completion_choices(stream, params.n, shape), stream.usage).model_dump())
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         conversation = body.conversation()
         params = check_n(body.sampling_params(None), async_engine)
+        check_logprobs(params.logprobs, "top_logprobs", async_engine)
         rid = async_engine.new_id("chatcmpl")
         stream = await submit(async_engine, body, [], params, rid, conversation=conversation)
         if body.stream:
             chunk = functools.partial(chat_chunk, rid, model_name)
             role = chat_role_choices(params.n)
-            return sse_response(sse_lines(async_engine, stream, chunk, chat_chunk_choice, first=role,
+            choice = functools.partial(chat_chunk_choice, top_logprobs=params.logprobs)
+            return sse_response(sse_lines(async_engine, stream, chunk, choice, first=role,
                                           include_usage=body.include_usage))
         await wait(async_engine, stream, request)
-        resp = ChatCompletionResponse(id=rid, model=model_name, choices=chat_choices(stream),
+        resp = ChatCompletionResponse(id=rid, model=model_name, choices=chat_choices(stream, params.logprobs),
                                       usage=Usage(**stream.usage))
         return JSONResponse(resp.model_dump())
 
@@ -244,6 +250,15 @@ def check_n(params: Any, async_engine: AsyncEngine) -> Any:
         raise ProtocolError(f"n={params.n} completions is more than this server takes in one request "
                             f"({ServerLimits.flag('max_n')} {limits.max_n}); ask for fewer", "n")
     return params
+
+
+def check_logprobs(k: int | None, param: str, async_engine: AsyncEngine) -> None:
+    """k top logprobs per token, at most the engine's max_logprobs (the engine refuses more too; this names
+    the server's flag)."""
+    limit = async_engine.llm_engine.config.max_logprobs
+    if k is not None and k > limit:
+        raise ProtocolError(f"{param}={k} is more than this server's max_logprobs ({limit}); ask for at most "
+                            f"{limit}, or start the server with {engine_flag('max_logprobs')} {k}", param)
 
 
 def check_model(name: str, model_name: str) -> None:
