@@ -274,3 +274,25 @@ def test_structured_bench_writes_its_json(tmp_path):
         r = result["batches"][batch]
         assert r["decode_step_ms_with"] > 0 and r["decode_step_ms_without"] > 0
         assert r["fill_ms"] > 0 and r["apply_ms"] > 0
+
+
+def test_logprobs_raw_are_the_models_and_processed_are_the_masked_ones(llm):
+    """Raw logprobs come from the unmasked logits (a plain request's at the same position); processed ones
+    from the distribution the token was drawn from, the grammar's: only its tokens are finite."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    raw = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0]
+    plain = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    first = raw.token_ids[0]
+    model_top = {t: lp.logprob for t, lp in plain[0].outputs[0].logprobs[0].items()}  # the model's top 5 (+ its)
+    assert first not in model_top, "the grammar should have forced a token the model did not rank high"
+    assert {t: lp.logprob for t, lp in raw.logprobs[0].items() if t != first} == model_top
+    processed = LLM("tiny-qwen3", logprobs_mode="processed_logprobs", **BASE)
+    out = processed.generate(["Hi"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == raw.token_ids and raw.text in CHOICES
+    tok = processed.get_tokenizer()
+    for position in out.logprobs:
+        finite = [t for t, lp in position.items() if lp.logprob > float("-inf")]
+        assert all(any(c.startswith(tok.decode([t])) or tok.decode([t]) == "" for c in CHOICES)
+                   or t in processed.engine.eos_token_ids for t in finite)
+    assert out.logprobs[0][out.token_ids[0]].logprob > raw.logprobs[0][first].logprob  # mass renormalized
