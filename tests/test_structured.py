@@ -284,7 +284,7 @@ def test_logprobs_raw_are_the_models_and_processed_are_the_masked_ones(llm):
     raw = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0]
     plain = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
     first = raw.token_ids[0]
-    model_top = {t: lp.logprob for t, lp in plain[0].outputs[0].logprobs[0].items()}  # the model's top 5 (+ its)
+    model_top = {t: lp.logprob for t, lp in plain[0].outputs[0].logprobs[0].items()}  # the model's top 5
     assert first not in model_top, "the grammar should have forced a token the model did not rank high"
     assert {t: lp.logprob for t, lp in raw.logprobs[0].items() if t != first} == model_top
     processed = LLM("tiny-qwen3", logprobs_mode="processed_logprobs", **BASE)
