@@ -75,3 +75,20 @@ def test_overlap_on_cuda_equals_off():
     got = LLM("tiny-qwen3", async_scheduling=True, **options).generate(PROMPTS, params, use_tqdm=False)
     for w, g in zip(want, got):
         assert [c.token_ids for c in w.outputs] == [c.token_ids for c in g.outputs]
+
+
+def test_cuda_logprobs_equal_cpu():
+    """Logprobs on CUDA (reduced on the device, copied to pinned memory behind the step's event, with overlap
+    on) == CPU's: generated and prompt, within 1e-3 (different kernels, float32)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    options = dict(dtype="float32", block_size=16, max_num_batched_tokens=32)
+    cpu = LLM("tiny-qwen3", device="cpu", **options).generate(PROMPTS, params, use_tqdm=False)
+    gpu = LLM("tiny-qwen3", device="cuda", async_scheduling=True, **options).generate(PROMPTS, params,
+                                                                                      use_tqdm=False)
+    for c, g in zip(cpu, gpu):
+        assert c.outputs[0].token_ids == g.outputs[0].token_ids
+        pairs = list(zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:])) + list(
+            zip(c.outputs[0].logprobs, g.outputs[0].logprobs))
+        for a, b in pairs:
+            token = next(iter(a))
+            assert next(iter(b)) == token and abs(a[token].logprob - b[token].logprob) < 1e-3
