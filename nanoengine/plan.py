@@ -18,6 +18,12 @@ checked, and an option that cannot work here is an error saying why and what wou
 - torch.compile of the small fused ops and the sampler (default: on CUDA only);
 - weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
   W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel.
+A mixture-of-experts checkpoint (issue 41) has its MoE fields checked here, before anything is built, and runs
+what its torch expert forward can (`check_moe`): one rank (no tensor or expert parallelism yet), no int8
+(its experts have no int8 path yet), and decode steps eagerly or through the CPU graph stand-in: the fused
+C++ step has no experts, and the grouped expert forward reads its per-expert counts on the host, which a CUDA
+graph cannot capture (CUDA decodes eagerly, with a warning, until a fused-MoE kernel). Prepacked and bf16
+weight copies apply to its dense linears (attention, router); the experts keep their stacked weights.
 Resolving never compiles anything: it asks whether the CPU kernels are built or can be built here, whether
 triton is installed (and on CPU, whether its interpreter is on), and whether flash_attn imports.
 """
@@ -153,6 +159,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
                                 "'auto'")
     check_tensor_parallel(config.tensor_parallel_size, device, hf_config, launch)
+    moe = check_moe(config, hf_config)
     if config.speculative_config is not None and pieces.schedule_pieces:
         raise InvalidValueError(f"EngineConfig: speculative_config needs the engine's own scheduler, which "
                                 f"gives a decode its drafts, but {pieces.option} replaces its pass with "
@@ -176,7 +183,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     prepack = pick_prepack(config.prepack_weights, device, dtype)
     torch_compile = pick_torch_compile(config, device, backend, pieces)
     check_quantization(config.quantization, device)
-    decode_mode = pick_decode_mode(config, device, backend, prepack, pieces)
+    decode_mode = pick_decode_mode(config, device, backend, prepack, pieces, moe)
     model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
     max_model_len = config.max_model_len or model_max
     if max_model_len > model_max:
@@ -253,6 +260,23 @@ def check_tensor_parallel(tp: int, device: str, hf_config: Any, launch: Any = No
                                 f"{torch.cuda.device_count()} CUDA device(s) are visible; use "
                                 f"tensor_parallel_size <= {torch.cuda.device_count()} or device='cpu' (gloo, "
                                 "for learning and testing)")
+
+
+def check_moe(config: EngineConfig, hf_config: Any) -> bool:
+    """True for a mixture-of-experts checkpoint, whose config fields are checked (hf_config.moe_config) and
+    whose options must be ones its experts run (see the module docstring); a clear error otherwise."""
+    if shapes.moe_config(hf_config) is None:
+        return False
+    if config.tensor_parallel_size > 1:
+        raise InvalidValueError(f"EngineConfig: tensor_parallel_size={config.tensor_parallel_size}: "
+                                "mixture-of-experts models run on one rank for now (tensor and expert "
+                                "parallelism of the experts are not implemented yet); use "
+                                "tensor_parallel_size=1")
+    if config.quantization:
+        raise InvalidValueError(f"EngineConfig: quantization={config.quantization!r} does not cover "
+                                "mixture-of-experts models yet (their experts have no int8 path); leave "
+                                "quantization=None")
+    return True
 
 
 def pick_dtype(want: str, device: str, hf_config: Any) -> str:
@@ -416,8 +440,9 @@ def pick_torch_compile(config: EngineConfig, device: str, backend: str, pieces: 
 
 
 def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: bool,
-                     pieces: PieceSelection) -> DecodeMode:
-    """How decode steps run, decided once (chapter 06; see DecodeMode)."""
+                     pieces: PieceSelection, moe: bool = False) -> DecodeMode:
+    """How decode steps run, decided once (chapter 06; see DecodeMode). A mixture-of-experts model decodes
+    eagerly or through the CPU stand-in (see the module docstring)."""
     if config.graph_stand_in and device != "cpu":
         raise InvalidValueError("EngineConfig: graph_stand_in=True is the CPU stand-in of CUDA graphs; on "
                                 "CUDA the engine captures real graphs (leave graph_stand_in=False; "
@@ -433,6 +458,11 @@ def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: b
     if config.graph_stand_in or pieces.graph_pieces:  # the learner's graphs are stand-ins
         return DecodeMode.STAND_IN
     if device == "cuda" and not config.enforce_eager:
+        if moe:
+            warnings.warn("nanoengine: a mixture-of-experts model's expert forward reads its per-expert "
+                          "token counts on the host, which a CUDA graph cannot capture, so decode steps run "
+                          "eagerly (enforce_eager=True says so)", stacklevel=4)
+            return DecodeMode.EAGER
         if not get_backend(backend).cuda_graphs:
             warnings.warn(f"nanoengine: attention_backend={backend!r} cannot run inside a CUDA graph (its "
                           "store decides on the host which slots to skip), so decode steps run eagerly; use "
@@ -443,7 +473,8 @@ def pick_decode_mode(config: EngineConfig, device: str, backend: str, prepack: b
         return DecodeMode.EAGER if pieces.forward_pieces else DecodeMode.CUDA_GRAPHS
     # the fused step mirrors the engine's own layers on one rank, with its bf16 (or int8) weight copies (with
     # oneDNN's packed bf16 weights and no int8, the layer-by-layer forward's linears are those)
-    if (device == "cpu" and backend == "cpu" and not config.enforce_eager and not pieces
+    # (the fused step has no experts: a mixture-of-experts model decodes eagerly)
+    if (device == "cpu" and backend == "cpu" and not config.enforce_eager and not pieces and not moe
             and config.tensor_parallel_size == 1 and (not prepack or config.quantization)):
         return DecodeMode.FUSED_CPU
     return DecodeMode.EAGER

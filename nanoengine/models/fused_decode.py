@@ -11,7 +11,8 @@ It serves what it mirrors exactly: a Llama-family model (Qwen3's per-head q/k no
 attention backend with the C++ kernels, one rank, and decode-only steps whose batch the linears' bf16 (or,
 with quantization="int8", int8) copies take (or any batch when the model has none). The plan's decode mode
 (`DecodeMode.FUSED_CPU`, nanoengine/plan.py) decides when the runner builds it; `enforce_eager=True` turns it
-off, as it turns CUDA graphs off.
+off, as it turns CUDA graphs off. A mixture-of-experts model has no fused step yet (the plan decodes it
+eagerly): building one is an error.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def _linear(kernels: Any, layer: PackableLinear) -> Any:
 
 class FusedDecode:
     def __init__(self, model: torch.nn.Module, kernels: Any) -> None:
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            from nanoengine.errors import InvalidValueError
+
+            raise InvalidValueError("FusedDecode: the fused C++ decode step runs dense SwiGLU MLPs only, and "
+                                    "this model has a mixture of experts; decode it eagerly "
+                                    "(enforce_eager=True, as the plan does for MoE models)")
         self.model = model
         self.kernels = kernels
         first = model.layers[0].self_attn

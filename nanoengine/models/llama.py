@@ -81,10 +81,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, backend: type[AttentionBackend], rotary: RotaryEmbedding,
-                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
+                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, qk_norm, backend, rotary, kernels, tp)
-        self.mlp = MLP(config, kernels, tp)
+        self.mlp = MLP(config, kernels, tp) if mlp is None else mlp  # a mixture of experts brings its own
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -116,13 +117,17 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim(config), config.max_position_embeddings,
                                           hf_config.rope_theta(config), kernels)
         self.layers = nn.ModuleList(DecoderLayer(config, self.qk_norm, attention_backend, self.rotary_emb,
-                                                 kernels, tp)
+                                                 kernels, tp, self.make_mlp(config, kernels, tp))
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, config: Any, kernels: ModuleType | None, tp: TPGroup) -> nn.Module | None:
+        """A decoder layer's MLP, or None for the dense SwiGLU `MLP` (Qwen3-MoE returns its experts)."""
+        return None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Hand layer i its K and V caches: views of kv_cache [2, num_layers, *the backend's layer layout]."""

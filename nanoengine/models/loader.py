@@ -3,13 +3,17 @@ Chapter 02.
 
 Checkpoint names map onto ours: `model.layers.0.self_attn.q_proj.weight` -> the "q" rows of
 `layers.0.self_attn.qkv_proj.weight`; the `model.` prefix is dropped; a tied `lm_head.weight` is optional.
+A model may map names itself (`checkpoint_name(name) -> (param, shard) | None`): a mixture of experts'
+per-expert tensors go into their expert's slice of a stacked weight (layers/moe.py).
 Each parameter's `weight_loader` gets a lazy safetensors slice and reads only what it holds, so under tensor
 parallelism (chapter 07) every rank reads its own shard of the same files and nothing more.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,11 +34,12 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_model(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    rename = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in checkpoint_files(path):
         try:
-            load_file(model, file, params, packed, loaded, unexpected)
+            load_file(model, file, params, packed, loaded, unexpected, rename)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors' own errors: a corrupt header, a truncated file
@@ -44,7 +49,7 @@ def load_model(model: nn.Module, path: Path) -> None:
 
 
 def load_file(model: nn.Module, file: Path, params: dict, packed: dict, loaded: set[str],
-              unexpected: list[str]) -> None:
+              unexpected: list[str], rename: Callable[[str], tuple[str, Any] | None] | None = None) -> None:
     """Load every tensor of one safetensors file into its parameter (or note it as unexpected)."""
     with safe_open(str(file), "pt") as f:
         for ckpt_name in f.keys():
@@ -52,10 +57,14 @@ def load_file(model: nn.Module, file: Path, params: dict, packed: dict, loaded: 
             if "rotary_emb.inv_freq" in name:
                 continue
             shard = None
-            for frag, (ours, part) in packed.items():
-                if f".{frag}." in name:
-                    name, shard = name.replace(f".{frag}.", f".{ours}."), part
-                    break
+            target = rename(name) if rename is not None else None
+            if target is not None:
+                name, shard = target
+            else:
+                for frag, (ours, part) in packed.items():
+                    if f".{frag}." in name:
+                        name, shard = name.replace(f".{frag}.", f".{ours}."), part
+                        break
             param = params.get(name)
             if param is None:
                 unexpected.append(ckpt_name)
@@ -76,7 +85,12 @@ def load_file(model: nn.Module, file: Path, params: dict, packed: dict, loaded: 
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {file}: tensor {ckpt_name!r} does not fit the model's "
                                       f"{name!r}: {e}") from None
-            loaded.add(name if shard is None else f"{name}:{shard}")
+            loaded.add(name if shard is None else f"{name}:{_shard_id(shard)}")
+
+
+def _shard_id(shard: Any) -> str:
+    """A shard's id in the loaded set: "q", or "3:gate" for expert 3's gate rows."""
+    return ":".join(map(str, shard)) if isinstance(shard, tuple) else str(shard)
 
 
 def report_mismatch(model: nn.Module, path: Path, loaded: set[str], unexpected: list[str]) -> None:
@@ -86,7 +100,13 @@ def report_mismatch(model: nn.Module, path: Path, loaded: set[str], unexpected: 
         for pname, _ in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             parts = getattr(module, "part_offsets", None)
-            need = [f"{full}:{p}" for p in parts] if parts and pname in ("weight", "bias") else [full]
+            expected = getattr(module, "expected_parts", {}).get(pname)  # a stack of experts' slices
+            if expected is not None:
+                need = [f"{full}:{p}" for p in expected]
+            elif parts and pname in ("weight", "bias"):
+                need = [f"{full}:{p}" for p in parts]
+            else:
+                need = [full]
             missing += [n for n in need if n not in loaded]
     if getattr(model, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]

@@ -7,10 +7,12 @@ from typing import Any
 from nanoengine.errors import CheckpointError
 from nanoengine.models.llama import LlamaForCausalLM
 from nanoengine.models.qwen3 import Qwen3ForCausalLM
+from nanoengine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
