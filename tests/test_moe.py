@@ -218,3 +218,47 @@ def test_tiny_qwen3_moe_routes_to_many_experts():
     for ids in chosen:
         assert ids.shape[1] == 2 and (ids[:, 0] != ids[:, 1]).all()
         assert len(ids.unique()) >= 6, f"only experts {ids.unique().tolist()} of 8 were used"
+
+
+@pytest.mark.xdist_group("tiny")
+def test_tiny_qwen3_moe_is_seeded_and_per_expert(tmp_path):
+    """Rebuilding gives the same weights (the asset is reproducible), saved as the real checkpoints are: one
+    tensor per expert and projection, and the router as mlp.gate."""
+    from safetensors.torch import load_file
+
+    built = assets.ensure(MOE)
+    assets.build_tiny_qwen3_moe(tmp_path)
+    a, b = load_file(built / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert a["model.layers.3.mlp.experts.7.gate_proj.weight"].shape == (64, 64)
+    assert a["model.layers.0.mlp.gate.weight"].shape == (8, 64)
+    assert json.loads((built / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def test_loader_stacks_experts_and_reports_a_missing_one(tmp_path, seed):
+    """Each expert's gate, up and down tensors land in its slice of w13 / w2; a checkpoint without one of
+    them is a CheckpointError naming the missing slice."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM as TheirMoe
+
+    from nanoengine.models.loader import load_model
+    from nanoengine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    config = tiny_moe_config(num_hidden_layers=1, vocab_size=64)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    TheirMoe(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    ours = Qwen3MoeForCausalLM(config)
+    load_model(ours, tmp_path)
+    experts = ours.layers[0].mlp.experts
+    for e in (0, 5):
+        prefix = f"model.layers.0.mlp.experts.{e}."
+        gate_up = torch.cat([tensors[prefix + "gate_proj.weight"], tensors[prefix + "up_proj.weight"]])
+        assert torch.equal(experts.w13_weight[e], gate_up)
+        assert torch.equal(experts.w2_weight[e], tensors[prefix + "down_proj.weight"])
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing \['layers.0.mlp.experts.w13_weight:3:up'\]"):
+        load_model(Qwen3MoeForCausalLM(config), tmp_path)

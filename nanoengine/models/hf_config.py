@@ -74,11 +74,6 @@ _MOE_UNSUPPORTED = {
 }
 
 
-def is_moe(cfg: Any) -> bool:
-    """True for a mixture-of-experts config (it names a number of experts)."""
-    return bool(_num_experts(cfg))
-
-
 def _num_experts(cfg: Any) -> int:
     return getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
 
@@ -124,7 +119,9 @@ class ModelShape:
     # bytes per weight as the engine reads them, if not dtype_bytes (int8 with its scales: 1 + 4 / group)
     weight_dtype_bytes: float | None = None
     # mixture of experts (0: a dense MLP of `intermediate`): experts per layer, routed per token, and one
-    # expert's intermediate size; the per-layer figures below count what one token reads (top_k experts)
+    # expert's intermediate size. The per-layer figures below count what one token reads (the router and
+    # top_k experts): a batch-1 decode's bytes, and every token's flops; a batch of B tokens reads up to
+    # min(E, B * top_k) experts, which this roofline does not model yet
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
