@@ -11,8 +11,8 @@ sorted by expert, so that each expert's tokens are one contiguous block, and eac
 matmul over its block (the count per expert comes from `bincount`); the outputs, scaled by their weights,
 are added back into their tokens' rows with `index_add_`. Same ops, same order per token as transformers'
 Qwen3MoeExperts (expert by expert, ascending), so float32 results agree. This is the seam a kernel replaces
-(the CPU decode kernel, Triton's fused MoE): `FusedMoE.experts_forward` is a module attribute holding a
-function with `grouped_experts`' signature.
+(the CPU decode kernel, Triton's fused MoE): a function with `grouped_experts`' signature, handed to
+`SparseMoeBlock` / `FusedMoE` when the model is built (the model's `make_mlp` picks it).
 
 The experts' weights are stacked, one tensor per projection, as vLLM's FusedMoE holds them:
 `w13_weight` [E, 2 * I, H] (each expert's gate rows, then its up rows: one matmul per expert) and
@@ -137,11 +137,12 @@ class SparseMoeBlock(nn.Module):
     """The MLP of an MoE decoder layer: the router `gate` (a replicated linear, checkpoint `mlp.gate`) and
     the `experts`."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup = SINGLE,
+                 experts_forward: ExpertsForward = grouped_experts) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = PackableLinear(hidden, moe.num_experts, bias=False)
-        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate, tp)
+        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate, tp, experts_forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
