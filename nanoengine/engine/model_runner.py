@@ -73,7 +73,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = get_model_class(hf)(hf, self.attn_backend, parts.kernels, self.tp)
+                self.model = get_model_class(hf)(hf, self.attn_backend, parts.kernels, self.tp, parts.moe)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, plan.model_path)

@@ -31,6 +31,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.graphs import DecodeGraphs
 from nanoengine.engine.inputs import MetadataBuilder
 from nanoengine.engine.scheduler import Scheduler
+from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models.hf_config import rope_theta
@@ -55,6 +56,7 @@ class EngineParts:
     sampler: Sampler
     ngram_proposer_class: type = NgramProposer  # speculative decoding's "ngram" proposer (chapter 09)
     accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens  # drafts, verified -> kept tokens
+    moe: MoEPieces = ENGINE_MOE  # an MoE model's router and expert forward (layers/moe.py)
 
 
 def same_group(group: TPGroup) -> TPGroup:

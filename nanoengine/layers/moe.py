@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +91,17 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
 
 
+class MoEPieces(NamedTuple):
+    """What an MoE layer computes with: the router and the expert forward. The engine's are `route` and
+    `grouped_experts`; a kernel (Triton's fused MoE, a CPU decode kernel) or the learner's chapter 10 pieces
+    replace them through EngineParts.moe (engine/parts.py), handed to the model when it is built."""
+    route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route
+    experts: ExpertsForward = grouped_experts
+
+
+ENGINE_MOE = MoEPieces()  # the engine's own
+
+
 class FusedMoE(nn.Module):
     """E SwiGLU experts with stacked weights (w13 [E, 2I, H], w2 [E, H, I]); `forward(x, weights, ids)`
     runs `experts_forward` (grouped_experts on torch, or a kernel with its signature)."""
@@ -138,12 +149,13 @@ class SparseMoeBlock(nn.Module):
     the `experts`."""
 
     def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup = SINGLE,
-                 experts_forward: ExpertsForward = grouped_experts) -> None:
+                 pieces: MoEPieces = ENGINE_MOE) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.route = pieces.route
         self.gate = PackableLinear(hidden, moe.num_experts, bias=False)
-        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate, tp, experts_forward)
+        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate, tp, pieces.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        weights, ids = self.route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
         return self.experts(x, weights, ids)  # [T, hidden]

@@ -22,6 +22,7 @@ from nanoengine.attention import AttentionBackend, AttentionMetadata, TorchAtten
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.embedding import Embedding, LMHead
 from nanoengine.layers.linear import MergedLinear, RowParallelLinear
+from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryAngles, RotaryEmbedding
 from nanoengine.layers.tp_group import SINGLE, TPGroup
@@ -110,9 +111,12 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: Any, attention_backend: type[AttentionBackend] = TorchAttention,
-                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE) -> None:
+                 kernels: ModuleType | None = None, tp: TPGroup = SINGLE,
+                 moe: MoEPieces = ENGINE_MOE) -> None:
+        """moe: the router and expert forward an MoE model's layers compute with (EngineParts.moe)."""
         super().__init__()
         self.config = config
+        self.moe_pieces = moe
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim(config), config.max_position_embeddings,
                                           hf_config.rope_theta(config), kernels)

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from nanoengine.layers.moe import SparseMoeBlock, expert_checkpoint_name, grouped_experts
+from nanoengine.layers.moe import SparseMoeBlock, expert_checkpoint_name
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models import hf_config
 from nanoengine.models.qwen3 import Qwen3ForCausalLM
@@ -29,5 +29,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
             raise CheckpointError("config.json names Qwen3MoeForCausalLM but no experts (num_experts is 0 or "
                                   "missing); a dense Qwen3 checkpoint is Qwen3ForCausalLM")
-        # the expert forward: torch's grouped matmuls (a fused-MoE kernel, when there is one, goes here)
-        return SparseMoeBlock(config.hidden_size, moe, tp, grouped_experts)
+        # the router and the expert forward the engine was assembled with (EngineParts.moe)
+        return SparseMoeBlock(config.hidden_size, moe, tp, self.moe_pieces)
