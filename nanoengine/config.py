@@ -137,6 +137,9 @@ class EngineConfig:
     prepack_weights: bool | None = None  # CPU bf16: oneDNN-packed linear weights; None = when supported
     quantization: str | None = None  # see QUANTIZATIONS (CPU only for now)
     tensor_parallel_size: int = 1
+    # a mixture of experts across the tensor_parallel_size ranks (vLLM's name; layers/moe.py): True = each
+    # rank holds E / N whole experts (expert parallelism), False = 1/N of every expert (tensor parallelism)
+    enable_expert_parallel: bool = False
     # overlap scheduling (vLLM's name; chapter 06): step N+1 is scheduled and built while step N runs, and
     # its input ids for the sequences step N samples come from step N's tokens on the device. None = on where
     # it pays (see plan.pick_async_scheduling); False = every step waits for the one before
@@ -202,6 +205,10 @@ class EngineConfig:
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         check(self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(not self.enable_expert_parallel or self.tensor_parallel_size > 1,
+              "enable_expert_parallel=True splits a mixture of experts' experts across the tensor-parallel "
+              "ranks, but tensor_parallel_size=1; use tensor_parallel_size >= 2 with it, or leave "
+              "enable_expert_parallel=False")
         check(not (self.speculative_config and self.async_scheduling),
               "speculative decoding does not overlap steps (the next step's drafts and positions depend on "
               "how many of this step's were accepted); use async_scheduling=False or None with "

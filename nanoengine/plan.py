@@ -19,7 +19,9 @@ checked, and an option that cannot work here is an error saying why and what wou
 - weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
   W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel.
 A mixture-of-experts checkpoint (issue 41) has its MoE fields checked here, before anything is built, and runs
-what its torch expert forward can (`check_moe`): one rank (no tensor or expert parallelism yet), no int8
+what its torch expert forward can (`check_moe`): tensor parallelism of every expert, or with
+enable_expert_parallel whole experts per rank (the sizes must divide evenly; a dense model refuses the
+option), no int8
 (its experts have no int8 path yet), and decode steps eagerly or through the CPU graph stand-in: the fused
 C++ step has no experts, and the grouped expert forward reads its per-expert counts on the host, which a CUDA
 graph cannot capture (CUDA decodes eagerly, with a warning, until a fused-MoE kernel). Prepacked and bf16
@@ -111,6 +113,7 @@ class EnginePlan:
     quantization: str  # "int8": weight-only int8 linears and LM head (layers/quant.py); "none": off
     int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
     tensor_parallel_size: int
+    enable_expert_parallel: bool  # an MoE model's ranks hold whole experts (layers/moe.py)
     async_scheduling: bool  # overlap: the host schedules step N+1 while step N runs (engine/executor.py)
     dist_backend: str  # "nccl" when every rank has a GPU, else "gloo"
     seed: int
@@ -204,7 +207,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                           bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
         quantization=config.quantization or "none",
         int8_weight_rows=int8_weight_rows(config.quantization, prepack),
-        tensor_parallel_size=tp,
+        tensor_parallel_size=tp, enable_expert_parallel=config.enable_expert_parallel,
         async_scheduling=pick_async_scheduling(config.async_scheduling, device, config.trace,
                                                config.speculative_config),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
@@ -265,13 +268,24 @@ def check_tensor_parallel(tp: int, device: str, hf_config: Any, launch: Any = No
 def check_moe(config: EngineConfig, hf_config: Any) -> bool:
     """True for a mixture-of-experts checkpoint, whose config fields are checked (hf_config.moe_config) and
     whose options must be ones its experts run (see the module docstring); a clear error otherwise."""
-    if shapes.moe_config(hf_config) is None:
+    moe = shapes.moe_config(hf_config)
+    tp = config.tensor_parallel_size
+    if moe is None:
+        if config.enable_expert_parallel:
+            raise InvalidValueError(f"EngineConfig: enable_expert_parallel=True splits a mixture of experts "
+                                    f"across ranks, but {config.model!r} is a dense model (no experts); "
+                                    "leave enable_expert_parallel=False")
         return False
-    if config.tensor_parallel_size > 1:
-        raise InvalidValueError(f"EngineConfig: tensor_parallel_size={config.tensor_parallel_size}: "
-                                "mixture-of-experts models run on one rank for now (tensor and expert "
-                                "parallelism of the experts are not implemented yet); use "
-                                "tensor_parallel_size=1")
+    if config.enable_expert_parallel and moe.num_experts % tp:
+        raise InvalidValueError(f"EngineConfig: enable_expert_parallel=True gives each of the "
+                                f"tensor_parallel_size={tp} ranks an equal share of whole experts, but the "
+                                f"model has num_experts={moe.num_experts}; use a tensor_parallel_size that "
+                                f"divides {moe.num_experts}, or enable_expert_parallel=False")
+    if not config.enable_expert_parallel and moe.intermediate % tp:
+        raise InvalidValueError(f"EngineConfig: tensor_parallel_size={tp} gives each rank an equal share "
+                                f"of every expert's moe_intermediate_size={moe.intermediate} rows, which it "
+                                f"does not divide; use a tensor_parallel_size that divides "
+                                f"{moe.intermediate}, or enable_expert_parallel=True (whole experts a rank)")
     if config.quantization:
         raise InvalidValueError(f"EngineConfig: quantization={config.quantization!r} does not cover "
                                 "mixture-of-experts models yet (their experts have no int8 path); leave "

@@ -126,9 +126,7 @@ def test_moe_shape_counts_active_experts():
 
 
 def test_plan_refuses_what_moe_cannot_run(cpu_kernels):
-    config = tiny_moe_config()
-    with pytest.raises(InvalidValueError, match="tensor_parallel_size=2: mixture-of-experts"):
-        plan_of(config, tensor_parallel_size=2, device="cpu")
+    config = tiny_moe_config()  # (tensor and expert parallelism: test_moe_parallel.py)
     with pytest.raises(InvalidValueError, match="quantization='int8' does not cover mixture-of-experts"):
         plan_of(config, quantization="int8", device="cpu")
     # the fused C++ decode step has no experts: eager (or the graph stand-in when asked)

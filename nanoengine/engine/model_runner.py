@@ -60,7 +60,8 @@ class ModelRunner:
         self.plan = plan
         self.parts = parts
         hf = plan.hf_config
-        self.tp = parts.tp_group(tp)
+        # a rank's group as the layers see it; an MoE model's ranks hold whole experts with expert parallelism
+        self.tp = dataclasses.replace(parts.tp_group(tp), expert_parallel=plan.enable_expert_parallel)
         self.device = (torch.device(plan.device, tp.rank if local_rank is None else local_rank)
                        if plan.device == "cuda"
                        else torch.device(plan.device))

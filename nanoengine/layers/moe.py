@@ -17,10 +17,17 @@ Qwen3MoeExperts (expert by expert, ascending), so float32 results agree. This is
 The experts' weights are stacked, one tensor per projection, as vLLM's FusedMoE holds them:
 `w13_weight` [E, 2 * I, H] (each expert's gate rows, then its up rows: one matmul per expert) and
 `w2_weight` [E, H, I]. The checkpoint's per-expert tensors (`experts.{e}.gate_proj.weight`, ...) load into
-their expert's slice (`expert_checkpoint_name` maps the names). Built with a `TPGroup`, each rank would hold
-1/N of every expert's intermediate rows (gate/up column-parallel, down row-parallel, one all-reduce), as the
-dense MLP does; the loaders already read only that share, but the plan refuses tensor_parallel_size > 1 for
-MoE models until it is tested (and expert parallelism is a different split: whole experts per rank).
+their expert's slice (`expert_checkpoint_name` maps the names).
+
+Across N ranks (chapter 07) the experts split one of two ways; either way every rank sees every token (the
+hidden states are whole after attention's all-reduce), the router `gate` is replicated, and the ranks' partial
+outputs are summed by ONE all-reduce after the experts:
+- tensor parallelism (the default): each rank holds 1/N of every expert's intermediate rows (gate/up
+  column-parallel, down row-parallel, as the dense MLP): w13 [E, 2I/N, H], w2 [E, H, I/N];
+- expert parallelism (`TPGroup.expert_parallel`, vLLM's enable_expert_parallel): rank r holds whole experts
+  [r*E/N, (r+1)*E/N): w13 [E/N, 2I, H], w2 [E/N, H, I], and computes only the (token, expert) pairs routed to
+  them (the expert forward runs on those pairs, one row each); the loader skips the other experts' tensors
+  without reading them.
 """
 
 from __future__ import annotations
@@ -103,45 +110,73 @@ ENGINE_MOE = MoEPieces()  # the engine's own
 
 
 class FusedMoE(nn.Module):
-    """E SwiGLU experts with stacked weights (w13 [E, 2I, H], w2 [E, H, I]); `forward(x, weights, ids)`
-    runs `experts_forward` (grouped_experts on torch, or a kernel with its signature)."""
+    """E SwiGLU experts with stacked weights (w13 [E, 2I, H], w2 [E, H, I], this rank's share of them: see
+    the module docstring); `forward(x, weights, ids)` runs `experts_forward` (grouped_experts on torch, or a
+    kernel with its signature) and sums the ranks' outputs."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup = SINGLE,
                  experts_forward: ExpertsForward = grouped_experts) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.tp = num_experts, hidden, tp
-        self.intermediate = intermediate // tp.size  # this rank's rows of each expert
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden),
+        if tp.expert_parallel:  # whole experts [first_expert, first_expert + local_experts)
+            self.first_expert, self.local_experts = tp.shard(num_experts)
+            self.intermediate = intermediate
+        else:  # every expert, this rank's rows of each
+            self.first_expert, self.local_experts = 0, num_experts
+            self.intermediate = intermediate // tp.size
+        self.w13_weight = nn.Parameter(torch.empty(self.local_experts, 2 * self.intermediate, hidden),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate),
+        self.w2_weight = nn.Parameter(torch.empty(self.local_experts, hidden, self.intermediate),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.experts_forward = experts_forward
-        # what the loader must fill (report_mismatch): every expert's parts
+        # what the loader must fill (report_mismatch): every part of this rank's experts
+        mine = range(self.first_expert, self.first_expert + self.local_experts)
         self.expected_parts = {
-            "w13_weight": [f"{e}:{p}" for e in range(num_experts) for p in ("gate", "up")],
-            "w2_weight": [f"{e}:down" for e in range(num_experts)],
+            "w13_weight": [f"{e}:{p}" for e in mine for p in ("gate", "up")],
+            "w2_weight": [f"{e}:down" for e in mine],
         }
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: tuple[int, str]) -> None:
-        """One expert's gate, up or down projection (its rank's share) into its slice of the stack."""
+        """One expert's gate, up or down projection (its rank's share) into its slice of the stack; another
+        rank's expert (expert parallelism) is skipped unread."""
         expert, part = shard
         full = checkpoint_shape(loaded)
-        inter = self.intermediate * self.tp.size
+        inter = self.intermediate if self.tp.expert_parallel else self.intermediate * self.tp.size
         want = (self.hidden, inter) if part == "down" else (inter, self.hidden)
         if not 0 <= expert < self.num_experts or full != want:
             raise ValueError(f"expert {expert} {part}: expected expert < {self.num_experts} and shape "
                              f"{want}, checkpoint has {full}")
+        local = expert - self.first_expert
+        if not 0 <= local < self.local_experts:
+            return  # another rank's expert
+        whole = self.tp.expert_parallel  # this rank holds the whole expert
         if part == "down":
-            param.data[expert].copy_(self.tp.columns(loaded, inter))
+            param.data[local].copy_(loaded[...] if whole else self.tp.columns(loaded, inter))
         else:
             first = 0 if part == "gate" else self.intermediate
-            param.data[expert, first:first + self.intermediate].copy_(self.tp.rows(loaded, inter))
+            rows = loaded[...] if whole else self.tp.rows(loaded, inter)
+            param.data[local, first:first + self.intermediate].copy_(rows)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = self.experts_forward(x, weights, ids, self.w13_weight, self.w2_weight)  # [T, H]
-        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+        return self.tp.all_reduce(self.partial(x, weights, ids))  # [T, H]: the ranks' parts summed
+
+    def partial(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the output [T, H] (the whole of it on one rank). Tensor parallelism: every
+        pair through this rank's rows of its expert. Expert parallelism: the (token, expert) pairs routed to
+        this rank's experts only, each as one row with one expert (top_k 1), summed into their tokens' rows
+        (zeros for a token none of whose experts is here)."""
+        if self.local_experts == self.num_experts:
+            return self.experts_forward(x, weights, ids, self.w13_weight, self.w2_weight)  # [T, H]
+        local = ids - self.first_expert  # [T, k]: this rank's expert index
+        token, slot = ((local >= 0) & (local < self.local_experts)).nonzero(as_tuple=True)  # [P] each
+        out = torch.zeros_like(x)  # [T, H]
+        if token.numel():
+            ys = self.experts_forward(x[token], weights[token, slot, None], local[token, slot, None],
+                                      self.w13_weight, self.w2_weight)  # [P, H]
+            out.index_add_(0, token, ys)
+        return out
 
 
 class SparseMoeBlock(nn.Module):

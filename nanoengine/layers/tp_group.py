@@ -10,13 +10,16 @@ LM head's vocabulary slice, `gather`ed to rank 0, where sampling happens). The l
 (its packed or bf16 fast paths) along with its weight. With `size == 1` the collectives are no-ops, so the
 single-process engine runs the same layers. (Chapter 07's exercises run inside the engine as a TPGroup whose
 sharding and forwards are the learner's: nanoengine.pieces.ch07.)
+With `expert_parallel` (EngineConfig.enable_expert_parallel) a mixture of experts is split differently: each
+rank holds whole experts, `shard(num_experts)` of them, instead of 1/N of every expert (layers/moe.py); the
+other layers shard as always.
 Forming the process group itself is `nanoengine.distributed`'s job; a layer only calls the collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,9 @@ Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 class TPGroup:
     rank: int = 0
     size: int = 1
+    # MoE layers hold whole experts (expert parallelism), not every expert's rows; keyword-only, so that a
+    # subclass's own fields still follow rank and size positionally
+    expert_parallel: bool = field(default=False, kw_only=True)
 
     def shard(self, n: int) -> tuple[int, int]:
         """This rank's equal share of n rows: (start, length). n is divisible (EngineConfig checks)."""
