@@ -49,8 +49,8 @@ CHAPTERS = {
             "collectives",
     "ch09": "speculative decoding's n-gram proposer, acceptance rule and block rollback (needs "
             "speculative_config)",
-    "ch10": "the mixture-of-experts router (top-k with renormalization) and the grouped expert forward (needs "
-            "an MoE model, e.g. tiny-qwen3-moe)",
+    "ch10": "the mixture-of-experts router (top-k with renormalization) and the grouped expert forward "
+            "(needs an MoE model, e.g. tiny-qwen3-moe)",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
 PIECES = {

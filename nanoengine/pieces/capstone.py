@@ -1,5 +1,6 @@
 """The capstone of a chapter: the engine on your pieces gives the same greedy text, and the same schedule, as
-the engine on its own. Chapters 02-07, 09 and 10 (`nanoengine.check("chNN")` runs it once every exercise passes).
+the engine on its own. Chapters 02-07, 09 and 10 (`nanoengine.check("chNN")` runs it once every exercise
+passes).
 
 One fixed workload per model (fp32, tiny-qwen3 and smollm2-135m): prompts that share a long prefix (prefix-
 cache hits), a token budget small enough to chunk the prefills, and a KV pool small enough to preempt. Both
