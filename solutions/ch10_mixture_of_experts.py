@@ -55,9 +55,11 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
 
 
 def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Exercise 10.3: the expected number of distinct experts that a batch of `batch` tokens routes to, in
-    one layer, when each token picks top_k different experts uniformly at random, independently of the
-    other tokens. (Not min(num_experts, batch * top_k): two tokens often pick the same expert.)
+    """Exercise 10.3: the expected number of distinct experts one layer reads for a batch of tokens.
+
+    Each of the `batch` tokens picks top_k different experts of num_experts uniformly at random,
+    independently of the other tokens. (Not min(num_experts, batch * top_k): tokens often pick the same
+    expert.)
     """
     # BEGIN SOLUTION
     missed = (1 - top_k / num_experts) ** batch  # the chance that no token of the batch picks one expert
