@@ -80,13 +80,13 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
 
 
 def heatmap_html(counts: torch.Tensor, imbalance: torch.Tensor, title: str) -> str:
-    """counts [steps, experts] as an HTML table shaded by tokens (white 0 to dark blue the maximum), with each
-    step's imbalance (max / mean) in the last column."""
-    top = max(int(counts.max()), 1)
+    """counts [steps, experts] as an HTML table, each step's row shaded from white (0 tokens) to dark blue
+    (its busiest expert), with the step's imbalance (max / mean) in the last column."""
     head = "".join(f"<th style='padding:0 3px'>e{e}</th>" for e in range(counts.shape[1]))
     rows = []
     for s in range(counts.shape[0]):
         cells = []
+        top = max(int(counts[s].max()), 1)
         for e in range(counts.shape[1]):
             n = int(counts[s, e])
             shade = 1 - n / top
@@ -136,4 +136,5 @@ class RoutingView(widgets.VBox):
         tokens = int(counts.sum(-1).max())
         self._table.value = heatmap_html(counts, self.imbalance[:, self.layer],
                                          f"{self.record.layers[self.layer]}: tokens routed to each expert "
-                                         f"(up to {tokens} token-expert pairs per step)")
+                                         f"(up to {tokens} token-expert pairs per step; each row shaded "
+                                         "to its busiest expert)")
