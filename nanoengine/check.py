@@ -1,12 +1,12 @@
 """Run one chapter's exercise tests and print a short pass/fail table. The check cell at the end of every
-book chapter (00-09) does:
+book chapter (00-10) does:
 
     from nanoengine.check import check
     check("ch03")
 
 and an inline check cell after an exercise shows that exercise's tests: `check("5.2")`. A test that stops at
 the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo"). Once all of a chapter's tests
-pass, the chapter-end check runs its capstone (chapters 02-07 and 09, `nanoengine.pieces.capstone`): the
+pass, the chapter-end check runs its capstone (chapters 02-07, 09 and 10, `nanoengine.pieces.capstone`): the
 engine on the learner's pieces must give the engine's own greedy text, and its last rows say so.
 
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your

@@ -163,6 +163,11 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                 "'auto'")
     check_tensor_parallel(config.tensor_parallel_size, device, hf_config, launch)
     moe = check_moe(config, hf_config)
+    if pieces.moe_pieces and not moe:
+        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only in a "
+                                f"mixture-of-experts model's layers ({', '.join(pieces.moe_pieces)}), but "
+                                f"{getattr(hf_config, 'model_type', 'this model')!r} is dense; use an MoE "
+                                "model (e.g. 'tiny-qwen3-moe'), or leave them out")
     if config.speculative_config is not None and pieces.schedule_pieces:
         raise InvalidValueError(f"EngineConfig: speculative_config needs the engine's own scheduler, which "
                                 f"gives a decode its drafts, but {pieces.option} replaces its pass with "

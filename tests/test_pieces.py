@@ -14,7 +14,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.errors import ExerciseError, ExerciseNotDoneError, InvalidValueError
 from nanoengine.pieces import CHAPTERS, PieceSelection, chapters_of, selected, use_exercises
-from nanoengine.pieces.capstone import CHAPTER_OPTIONS, capstone
+from nanoengine.pieces.capstone import CHAPTER_MODELS, CHAPTER_OPTIONS, capstone
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
@@ -32,10 +32,15 @@ def chapter_with(tmp_path: Path, chapter: str, extra: str) -> Path:
     return tmp_path
 
 
+def model_of(chapter: str) -> str:
+    """The smallest model a chapter's pieces run in (tiny-qwen3, or tiny-qwen3-moe for ch10's)."""
+    return CHAPTER_MODELS.get(chapter, ("tiny-qwen3",))[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", list(CHAPTERS))
 def test_capstone_passes_on_the_solutions(chapter):
-    result = capstone(chapter, SOLUTIONS, models=("tiny-qwen3",))
+    result = capstone(chapter, SOLUTIONS, models=(model_of(chapter),))
     assert result.passed, result.rows
     assert "preemptions" in result.rows[0][2]
 
@@ -47,9 +52,10 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
     opts = dict(dtype="float32", max_num_batched_tokens=16)
     want = [o.outputs[0].token_ids
             for o in LLM("tiny-qwen3", **opts).generate(prompts, params, use_tqdm=False)]
-    # (ch09's pieces run only while speculating, which ch05's scheduler pass does not: tested apart below)
-    llm = LLM("tiny-qwen3", use_exercises=[c for c in CHAPTERS if c != "ch09"], exercises_dir=str(SOLUTIONS),
-              **opts)
+    # (ch09's pieces run only while speculating, which ch05's scheduler pass does not, and ch10's only in an
+    # MoE model: tested apart below)
+    llm = LLM("tiny-qwen3", use_exercises=[c for c in CHAPTERS if c not in ("ch09", "ch10")],
+              exercises_dir=str(SOLUTIONS), **opts)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     # the pieces really are in place: the learner's backend, block manager, scheduler and sampler
@@ -65,7 +71,7 @@ def test_all_chapters_pieces_together_give_the_engines_tokens():
 def test_a_stub_is_an_error_naming_its_exercise(chapter):
     spec = {k: v for k, v in CHAPTER_OPTIONS.get(chapter, {}).items() if k == "speculative_config"}
     with pytest.raises(ExerciseNotDoneError, match=rf"Exercise {int(chapter[2:])}\.\d") as e:
-        LLM("tiny-qwen3", use_exercises=[chapter], exercises_dir=str(STUBS), dtype="float32", **spec)
+        LLM(model_of(chapter), use_exercises=[chapter], exercises_dir=str(STUBS), dtype="float32", **spec)
     assert "stub" in str(e.value) and chapter in str(e.value)
 
 
@@ -88,6 +94,32 @@ def test_ch09_pieces_speculate_over_ch04s_block_manager_or_are_refused_without_s
     assert 0 < counts.accepted <= counts.proposed and len(counts.record) == counts.verifications
     with pytest.raises(InvalidValueError, match="run only while speculating.*speculative_config is not set"):
         LLM("tiny-qwen3", use_exercises=["ch09"], exercises_dir=str(SOLUTIONS))
+
+
+def test_ch10_pieces_route_every_moe_layer_or_are_refused_on_a_dense_model():
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids
+            for o in LLM("tiny-qwen3-moe", dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny-qwen3-moe", dtype="float32", use_exercises=["ch02", "ch10"], exercises_dir=str(SOLUTIONS))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    blocks = [m for m in llm.engine.executor.runner.model.modules() if type(m).__name__ == "SparseMoeBlock"]
+    assert blocks and all(b.route.__name__ == "learner_route" for b in blocks)
+    assert all(b.experts.experts_forward.__name__ == "learner_experts" for b in blocks)
+    with pytest.raises(InvalidValueError, match=r"run only in a mixture-of-experts.*'qwen3' is dense"):
+        LLM("tiny-qwen3", use_exercises=["ch10"], exercises_dir=str(SOLUTIONS))
+
+
+@pytest.mark.slow
+def test_a_ch10_router_without_renormalization_fails_the_capstone(tmp_path):
+    folder = chapter_with(tmp_path, "ch10", '''
+        def route(logits, top_k, norm_topk_prob):
+            """Exercise 10.1: the classic mistake, the top-k probabilities never renormalized."""
+            weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+            return weights.to(logits.dtype), ids
+        ''')
+    result = capstone("ch10", folder)
+    assert not result.passed and "differs" in result.rows[0][2], result.rows
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | ch06 | the decode graphs (the CPU stand-in) |
 | ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
 | ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's `rollback_blocks` |
+| ch10 | an MoE model's router and expert forward (`moe`, handed to the model when it is built) |
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models.hf_config import rope_theta
-from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, ch09, learner
+from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, ch09, ch10, learner
 from nanoengine.spec.ngram import NgramProposer
 from nanoengine.spec.verify import accepted_tokens
 
@@ -101,6 +102,9 @@ def assemble(plan: Any) -> EngineParts:
         ngram_proposer_class = ch09.ngram_proposer_class(modules["ch09"])
         accept = ch09.accept(modules["ch09"])
         block_manager_class = ch09.block_manager_class(modules["ch09"], block_manager_class)
+    moe = ENGINE_MOE
+    if "ch10" in modules:
+        moe = ch10.moe_pieces(modules["ch10"])
     return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
-                       attention_metadata, sampler, ngram_proposer_class, accept)
+                       attention_metadata, sampler, ngram_proposer_class, accept, moe)
 

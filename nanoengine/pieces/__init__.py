@@ -13,11 +13,12 @@ of the engine runs unchanged around them:
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
 | ch07 | a rank's rows of a weight; the parallel forwards, their collectives | every sharded layer's TPGroup |
 | ch09 | n-gram drafts, greedy acceptance, rolling back rejected drafts' blocks | proposer, verify, rollback |
+| ch10 | the MoE router (top-k, renormalized), the grouped expert forward | every MoE layer of the model |
 
 This module is the selection: which chapters (`chapters_of`), from which folder (`folder_of`), the process
 default `use_exercises()` sets, and `selected()`, which applies that default once, where an engine is built
 (nanoengine.launch), into a `PieceSelection` the plan asks capability questions of. It imports nothing from
-the engine. The adapters (`ch02.py` .. `ch09.py`, `learner.py`) wrap the learner's functions, and
+the engine. The adapters (`ch02.py` .. `ch10.py`, `learner.py`) wrap the learner's functions, and
 `nanoengine.engine.parts.assemble` builds the engine's components on them.
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
@@ -48,6 +49,8 @@ CHAPTERS = {
             "collectives",
     "ch09": "speculative decoding's n-gram proposer, acceptance rule and block rollback (needs "
             "speculative_config)",
+    "ch10": "the mixture-of-experts router (top-k with renormalization) and the grouped expert forward "
+            "(needs an MoE model, e.g. tiny-qwen3-moe)",
 }
 # the functions of each chapter file that the pieces call (checked at once when an engine is built)
 PIECES = {
@@ -61,12 +64,14 @@ PIECES = {
     "ch07": ("shard_merged_rows", "column_parallel_forward", "row_parallel_forward",
              "vocab_parallel_embedding_forward"),
     "ch09": ("propose_ngram", "accept_greedy", "rollback_blocks"),
+    "ch10": ("route", "grouped_experts"),
 }
 # pieces inside the model's forward (their Python may read tensors on the host): eager torch-family attention,
 # no torch.compile, no CUDA graphs; the backends each can plug into, the first being the default
-FORWARD_CHAPTERS = {"ch02": ("torch", "cpu"), "ch03": ("torch",)}
+FORWARD_CHAPTERS = {"ch02": ("torch", "cpu"), "ch03": ("torch",), "ch10": ("torch", "cpu")}
 GRAPH_CHAPTERS = ("ch06",)  # pieces that bring their own decode graphs (the CPU stand-in)
 SPEC_CHAPTERS = ("ch09",)  # pieces that run only while speculating (speculative_config)
+MOE_CHAPTERS = ("ch10",)  # pieces that run only in a mixture-of-experts model's layers
 SCHEDULE_CHAPTERS = ("ch05",)  # pieces that replace the scheduler's pass (they know nothing of drafts)
 BACKEND_ORDER = ("torch", "cpu")  # the attention backends pieces plug into, by preference
 
@@ -202,6 +207,11 @@ class PieceSelection:
     def spec_pieces(self) -> tuple[str, ...]:
         """The chosen chapters whose pieces run only with speculative decoding on."""
         return tuple(c for c in self.chapters if c in SPEC_CHAPTERS)
+
+    @property
+    def moe_pieces(self) -> tuple[str, ...]:
+        """The chosen chapters whose pieces run only in a mixture-of-experts model's layers."""
+        return tuple(c for c in self.chapters if c in MOE_CHAPTERS)
 
     @property
     def attention_backends(self) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """The capstone of a chapter: the engine on your pieces gives the same greedy text, and the same schedule, as
-the engine on its own. Chapters 02-07 and 09 (`nanoengine.check("chNN")` runs it once every exercise passes).
+the engine on its own. Chapters 02-07, 09 and 10 (`nanoengine.check("chNN")` runs it once every exercise
+passes).
 
 One fixed workload per model (fp32, tiny-qwen3 and smollm2-135m): prompts that share a long prefix (prefix-
 cache hits), a token budget small enough to chunk the prefills, and a KV pool small enough to preempt. Both
@@ -11,7 +12,7 @@ two processes (tensor_parallel_size=2, over gloo) against the engine in one, on 
 Triton's interpreter, so there it runs tiny-qwen3 only; where triton is not installed it decodes with your 3.6
 (`online_decode_attention`). Chapter 09 speculates (n-gram, k = 3) on both sides: the
 engine's reference run speculates too, and the greedy text must also equal the engine's without speculation
-(exactness), with some drafts accepted.
+(exactness), with some drafts accepted. Chapter 10 runs tiny-qwen3-moe, the one model whose layers route.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2),
                    "ch09": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})}
 # options the reference run takes too (tensor parallelism gives the same tokens as one rank: not these)
 REFERENCE_OPTIONS = ("speculative_config",)
-CHAPTER_MODELS = {"ch07": ("tiny-qwen3",)}
+# ch10's pieces run only in a mixture-of-experts model's layers
+CHAPTER_MODELS = {"ch07": ("tiny-qwen3",), "ch10": ("tiny-qwen3-moe",)}
 # chapter 03 decodes with the learner's Triton kernel (3.8), which without a GPU runs in Triton's interpreter
 # (or, without triton, with the learner's 3.6, a Python loop over blocks): there SmolLM2's 30 layers take
 # about 90 s, tiny-qwen3's 2 about 5 s, so a CPU checks tiny-qwen3 only
