@@ -17,6 +17,10 @@ worker process calls `assemble` on the plan it is sent, so every rank runs the s
 | ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
 | ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's `rollback_blocks` |
 | ch10 | an MoE model's router and expert forward (`moe`, handed to the model when it is built) |
+
+An MoE model's expert forward (`moe`) is the Triton fused-MoE kernel where the Triton kernels serve the
+attention or the device is CUDA with triton installed (`fused_moe_on_triton`), else the torch grouped GEMM;
+ch10's pieces replace either.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.graphs import DecodeGraphs
 from nanoengine.engine.inputs import MetadataBuilder
 from nanoengine.engine.scheduler import Scheduler
+from nanoengine.kernels import triton_support
 from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
@@ -62,6 +67,25 @@ class EngineParts:
 
 def same_group(group: TPGroup) -> TPGroup:
     return group
+
+
+def fused_moe_on_triton(plan: Any) -> bool:
+    """Do an MoE model's experts run the Triton fused-MoE kernel (kernels/triton_moe.py)? With
+    attention_backend='triton' (the plan checked that triton runs here: on CPU, in its interpreter), and on
+    CUDA wherever triton can run, whichever attention backend serves."""
+    if plan.attention_backend == "triton":
+        return True
+    return plan.device == "cuda" and triton_support.problem("cuda") is None
+
+
+def moe_pieces(plan: Any) -> MoEPieces:
+    """The router and expert forward of an MoE model under this plan (imports triton only when it is used:
+    on CPU the interpreter must be switched on before the kernels are defined)."""
+    if fused_moe_on_triton(plan):
+        from nanoengine.kernels.triton_moe import triton_fused_experts
+
+        return MoEPieces(ENGINE_MOE.route, triton_fused_experts)
+    return ENGINE_MOE
 
 
 def assemble(plan: Any) -> EngineParts:
@@ -102,8 +126,8 @@ def assemble(plan: Any) -> EngineParts:
         ngram_proposer_class = ch09.ngram_proposer_class(modules["ch09"])
         accept = ch09.accept(modules["ch09"])
         block_manager_class = ch09.block_manager_class(modules["ch09"], block_manager_class)
-    moe = ENGINE_MOE
-    if "ch10" in modules:
+    moe = moe_pieces(plan)
+    if "ch10" in modules:  # the learner's router and grouped forward, over the engine's choice
         moe = ch10.moe_pieces(modules["ch10"])
     return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
                        attention_metadata, sampler, ngram_proposer_class, accept, moe)
