@@ -141,7 +141,7 @@ else
   if [ "$HAVE_PYTEST" != 1 ]; then
     skip pytest "pytest is not installed"
   else
-    TESTS=(tests/test_triton_kernels.py tests/test_gpu.py tests/test_flash_attn.py)
+    TESTS=(tests/test_triton_kernels.py tests/test_gpu.py tests/test_flash_attn.py tests/test_triton_moe.py::test_compiled_kernel_at_qwen3_30b_a3b_expert_shapes)
     if [ "$MODE" = smoke ]; then
       TESTS+=(tests/test_graphs.py::test_cuda_graphs_equal_eager_on_cuda)  # skips without CUDA: a check of the call
     else
