@@ -26,6 +26,7 @@ the weights at these lengths). JSON in `--out-dir`.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -114,9 +115,12 @@ def measure(model: str, streams: list[int], max_tokens: int, repeats: int, dtype
                "nanoengine": decode_rate(engine_runner(llm, prompts), batch, max_tokens, repeats)}
         row["nanoengine"]["share_of_bound"] = row["nanoengine"]["decode_tok_s"] / bound
         rows.append(row)
+        print(f"nanoengine, {batch} streams: {row['nanoengine']['decode_tok_s']:.1f} decode tok/s",
+              file=sys.stderr, flush=True)
     experts_forward = moe_pieces(plan).experts.__name__
     llm.engine.close()
     del llm
+    gc.collect()  # the engine's weights go before transformers loads its copy
     peer: dict[str, Any] = {"skipped": "--no-peers"}
     if peers:
         from transformers import AutoModelForCausalLM
