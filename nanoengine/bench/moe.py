@@ -44,14 +44,16 @@ PROMPT_TOKENS = 32
 
 def step_weight_bytes(shape: ModelShape, batch: int) -> int:
     """Weight bytes a decode step of `batch` tokens reads: the active parameters of one token, plus the
-    experts the other tokens may add, min(E, batch * top_k) per layer in all (see the module docstring)."""
+    experts the other tokens may add, min(E, batch * top_k) per layer in all (see the module docstring).
+    The experts are counted in the engine's dtype: they keep their stacked weights (plan.py: bf16 copies and
+    int8 apply to the dense linears only), while ModelShape counts every linear at its weight bytes."""
     if not shape.experts:
         return shape.weight_bytes_per_step
     touched = min(shape.experts, batch * shape.experts_per_token)
-    weight_bytes = shape.weight_dtype_bytes or shape.dtype_bytes
-    expert_bytes = 3 * shape.hidden * shape.expert_intermediate * weight_bytes  # gate, up, down
-    more = shape.layers * (touched - shape.experts_per_token) * expert_bytes
-    return round(shape.weight_bytes_per_step + more)
+    one_expert = 3 * shape.hidden * shape.expert_intermediate  # gate, up, down
+    counted = shape.experts_per_token * (shape.weight_dtype_bytes or shape.dtype_bytes)  # by ModelShape
+    extra = shape.layers * one_expert * (touched * shape.dtype_bytes - counted)
+    return round(shape.weight_bytes_per_step + extra)
 
 
 def prompts_of(batch: int, vocab: int) -> list[list[int]]:
@@ -144,7 +146,7 @@ def measure(model: str, streams: list[int], max_tokens: int, repeats: int, dtype
             "decode_mode": plan.decode_mode.value, "experts_forward": experts_forward,
             "prompt_tokens": PROMPT_TOKENS, "max_tokens": max_tokens, "repeats": repeats,
             "memory_gbs": bandwidth, "shape": roofline.shape_dict(shape),
-            "active_bytes_per_token": shape.weight_bytes_per_step, "peer": peer, "rows": rows}
+            "active_bytes_per_token": step_weight_bytes(shape, 1), "peer": peer, "rows": rows}
 
 
 def table(result: dict[str, Any]) -> str:
