@@ -3,7 +3,7 @@
 - `cpu`: the C++ CPU extension (paged decode attention; fused RMSNorm, rotary and SwiGLU; the bf16 linear;
   the whole decode step).
 - `compiled`: the same fused ops through torch.compile (`torch_compile` in the plan; on CUDA by default).
-- `triton_*`: the Triton attention kernels (`triton_support` says whether they can run here).
+- `triton_*`: the Triton kernels, attention and fused MoE (`triton_support` says whether they can run here).
 
 The engine picks the model's kernels once (`for_plan`) and passes them to the model when it is built:
 RMSNorm, rotary and the MLP take them in their constructors, so no module is patched after construction.
