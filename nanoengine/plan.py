@@ -39,8 +39,10 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
+from nanoengine import dtype_choice
 from nanoengine.attention import flash_attn_backend, get_backend
 from nanoengine.config import EngineConfig
+from nanoengine.dtype_choice import DtypeChoice
 from nanoengine.errors import InvalidValueError
 from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.kernels import triton_support
@@ -97,6 +99,8 @@ class EnginePlan:
     hf_config: Any = field(repr=False, compare=False)  # the checkpoint's Hugging Face config
     device: str  # "cpu" or "cuda" (rank r of a tensor-parallel engine on CUDA uses cuda:r)
     dtype: str  # "float32", "bfloat16" or "float16"
+    dtype_source: str  # "given", "only candidate", "measured", "cached" or "unmeasured" (dtype_choice.py)
+    dtype_ms_per_step: tuple[tuple[str, float], ...]  # (candidate dtype, ms of a decode step) when timed
     attention_backend: str  # "torch", "cpu", "triton" or "flash_attn"
     block_size: int
     max_model_len: int
@@ -142,6 +146,8 @@ class EnginePlan:
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)
+            elif f.name == "dtype_ms_per_step":
+                value = dict(value)
             elif dataclasses.is_dataclass(value):
                 value = {"kind": type(value).__name__, **dataclasses.asdict(value)}
             out[f.name] = value
@@ -184,8 +190,11 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                 f"(Exercise 9.1), but speculative_config's method is "
                                 f"{config.speculative_config.method!r}; "
                                 "use method 'ngram' with it, or leave 'ch09' out")
-    dtype = pick_dtype(config.dtype, device, hf_config)
-    backend = pick_attention_backend(config, device, dtype, pieces)
+    # on CPU the backend does not depend on the dtype (only flash_attn's check on CUDA does), so it is picked
+    # with the rule's dtype, and the dtype then chosen among the decode paths that backend can run
+    backend = pick_attention_backend(config, device, rule_dtype(config.dtype, device, hf_config), pieces)
+    dtype_choice = pick_dtype(config, device, hf_config, backend, pieces, moe)
+    dtype = dtype_choice.dtype
     block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]
     check_block_size(backend, block_size)
     prepack = pick_prepack(config.prepack_weights, device, dtype)
@@ -203,6 +212,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     kv_cache = kv_cache_size(config, device, bytes_per_block, max_model_len, block_size)
     return EnginePlan(
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
+        dtype_source=dtype_choice.source, dtype_ms_per_step=dtype_choice.ms_per_step,
         attention_backend=backend, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         scheduling_policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
@@ -298,7 +308,9 @@ def check_moe(config: EngineConfig, hf_config: Any) -> bool:
     return True
 
 
-def pick_dtype(want: str, device: str, hf_config: Any) -> str:
+def rule_dtype(want: str, device: str, hf_config: Any) -> str:
+    """The dtype without measuring: `want`, or for 'auto' the checkpoint's, float32 on a CPU without oneDNN
+    bf16; bfloat16 for float16 on CPU."""
     dtype = want
     if dtype == "auto":
         dtype = str(shapes.checkpoint_dtype(hf_config)).removeprefix("torch.")
@@ -309,6 +321,39 @@ def pick_dtype(want: str, device: str, hf_config: Any) -> str:
     if device == "cpu" and dtype == "float16":
         dtype = "bfloat16"  # fp16 matmuls have no fast path on CPU
     return dtype
+
+
+def pick_dtype(config: EngineConfig, device: str, hf_config: Any, backend: str,
+               pieces: PieceSelection = NO_PIECES, moe: bool = False) -> DtypeChoice:
+    """dtype= as given ("given"), else 'auto': the fastest of `dtype_candidates`, timed once per machine
+    (nanoengine/dtype_choice.py: "measured", then "cached"), or `rule_dtype` where there is one candidate."""
+    rule = rule_dtype(config.dtype, device, hf_config)
+    if config.dtype != "auto":
+        return DtypeChoice(rule, dtype_choice.GIVEN)
+    candidates = dtype_candidates(config, device, hf_config, backend, pieces, moe)
+    if len(candidates) > 1 and not cpu_kernels.is_built():  # resolving never compiles: measured next start
+        return DtypeChoice(rule, dtype_choice.UNMEASURED)
+    return dtype_choice.choose(candidates, hf_config, rule)
+
+
+def dtype_candidates(config: EngineConfig, device: str, hf_config: Any, backend: str,
+                     pieces: PieceSelection = NO_PIECES, moe: bool = False) -> list[str]:
+    """The decode paths dtype='auto' chooses between on CPU for a 16-bit checkpoint (dtype_choice.CANDIDATES):
+    "float32" where the fused C++ step would run in float32 (with bf16 weight copies for a bf16 checkpoint),
+    "bfloat16" where its weights would be packed for oneDNN. None with quantization='int8': both dtypes
+    decode one stream through the same int8 kernel in the fused step, so timing would compare noise."""
+    import torch
+
+    if (device != "cpu" or config.quantization
+            or shapes.checkpoint_dtype(hf_config) not in (torch.bfloat16, torch.float16)):
+        return []
+    out = []
+    if (config.prepack_weights is not True
+            and pick_decode_mode(config, device, backend, False, pieces, moe) is DecodeMode.FUSED_CPU):
+        out.append("float32")
+    if pick_prepack(config.prepack_weights, device, "bfloat16"):
+        out.append("bfloat16")
+    return out
 
 
 def pick_prepack(want: bool | None, device: str, dtype: str) -> bool:
