@@ -34,6 +34,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -120,14 +121,18 @@ def write_cached(path: Path, choice: DtypeChoice) -> None:
     record = {"dtype": choice.dtype, "ms_per_step": dict(choice.ms_per_step), "key": path.stem,
               "stand_in": {"layers": STAND_IN_LAYERS, "vocab": STAND_IN_VOCAB, "context": CONTEXT,
                            "rows": ROWS}}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=1))
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home: the choice stands for this process, and is measured next time
         warnings.warn(f"nanoengine: could not keep the dtype choice in {path} ({e})", stacklevel=2)
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def choose(candidates: Sequence[str], hf_config: Any, rule: str,

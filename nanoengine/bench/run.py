@@ -170,6 +170,9 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         "output_tokens": wl.num_output_tokens, "online": online, "request_rate": request_rate,
         "sampling": f"temperature {wl.temperature}, ignore_eos, seeded by the engine seed {plan.seed}",
         "dtype": plan.dtype, "engine_options": opts, "plan": plan.describe(),
+        # how dtype was decided: given, the one candidate here, or timed (now or before) on this machine
+        "dtype_choice": {"dtype": plan.dtype, "source": plan.dtype_source,
+                         "ms_per_step": dict(plan.dtype_ms_per_step)},
         "hardware": hardware.describe(device)}
     result["ceilings"] = hardware.measure(plan.torch_dtype, device)
     if device.startswith("cuda"):
