@@ -178,3 +178,16 @@ def test_writers_racing_never_leave_a_half_written_file(tmp_path, monkeypatch):
     reader.join()
     assert seen and None not in seen  # a file that exists always reads whole
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+@pytest.mark.xdist_group("tiny")
+def test_the_benchmark_records_the_dtype_and_how_it_was_chosen(monkeypatch):
+    from nanoengine.bench import hardware
+    from nanoengine.bench.run import bench
+
+    monkeypatch.setattr(hardware, "measure", lambda dtype, device: {"gemm_gflops": 1.0, "memory_gbs": 1.0})
+    r = bench("tiny-qwen3", "smoke", peers=[], out_dir=None, figures_dir=None, quiet=True, step_profile=False,
+              engine_options={"dtype": "float32"})
+    assert r["dtype_choice"] == {"dtype": "float32", "source": "given", "ms_per_step": {}}
+    assert r["plan"]["dtype_source"] == "given" and r["plan"]["dtype_ms_per_step"] == {}
+    json.dumps(r["plan"])  # plain JSON values
