@@ -4,8 +4,14 @@ values. Chapters 00 and 06.
 `resolve_plan(config, hf_config, model_path, pieces)` is the one place that picks (an explicit choice is
 checked, and an option that cannot work here is an error saying why and what would work):
 - device: CUDA when it is there, else CPU;
-- dtype: the checkpoint's; on CPU float32 where bf16 has no fast matmul (no oneDNN bf16 here), bfloat16 for
-  float16 (fp16 matmuls have no fast path on CPU);
+- dtype: as given, else the checkpoint's; bfloat16 for float16 on CPU (fp16 matmuls have no fast path there).
+  On CPU with the C++ kernels, 'auto' for a 16-bit checkpoint chooses between its decode paths by
+  measurement (`pick_dtype`, nanoengine/dtype_choice.py, chapter 08): float32 with bf16 weight copies and the
+  fused C++ step, and bfloat16 with oneDNN-packed weights where oneDNN has bf16 here; with both, the faster on
+  a stand-in of the model's decode step, timed once per kind of machine and model shape and kept in the
+  kernels folder ("measured", then "cached"); with one (an AVX2-only CPU: float32; int8, whose decode runs
+  the int8 kernel either way; no fused step) the old rule, untimed ("only candidate"). The plan keeps where
+  the dtype came from (`dtype_source`) and the times (`dtype_ms_per_step`);
 - attention backend: on CPU `cpu` (the C++ kernels) if they are built or can be built here, else `torch`;
   `triton` only when asked for, and only with TRITON_INTERPRET=1 set (its interpreter). On CUDA `flash_attn`
   if it imports and can serve the config (fp16/bf16; block size unset or a multiple of 256), else `triton`,
