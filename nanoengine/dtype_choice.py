@@ -65,17 +65,19 @@ MIN_STEPS, MAX_STEPS = 3, 20
 
 @dataclass(frozen=True)
 class Candidate:
-    dtype: str
-    prepack: bool  # oneDNN-packed weights (layer by layer)
-    fused: bool  # the fused C++ decode step (with bf16 weight copies for a bf16 checkpoint)
-    what: str
+    """One decode path, as the plan would run it (plan.dtype_candidates makes them)."""
+    dtype: str  # "float32" or "bfloat16": the name it is kept and shown under
+    prepack: bool  # oneDNN-packed weights, layer by layer
+    fused: bool  # the fused C++ decode step
+    bf16_rows: int  # batches of up to this many rows use bf16 weight copies (plan.bf16_weight_rows)
+    block_size: int  # KV block size
 
-
-CANDIDATES = {
-    "float32": Candidate("float32", prepack=False, fused=True,
-                         what="float32 + bf16 weight copies, fused step"),
-    "bfloat16": Candidate("bfloat16", prepack=True, fused=False, what="bfloat16, oneDNN-packed weights"),
-}
+    @property
+    def what(self) -> str:
+        how = ["oneDNN-packed weights" if self.prepack else "",
+               "bf16 weight copies" if self.bf16_rows else "",
+               "fused step" if self.fused else "layer by layer"]
+        return f"{self.dtype} ({', '.join(h for h in how if h)})"
 
 
 @dataclass(frozen=True)
@@ -135,15 +137,15 @@ def write_cached(path: Path, choice: DtypeChoice) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def choose(candidates: Sequence[str], hf_config: Any, rule: str,
-           measure_with: Callable[[Any, Sequence[str]], dict[str, float]] | None = None) -> DtypeChoice:
-    """dtype='auto' among `candidates` (names in CANDIDATES): the fastest, measured once per machine and
-    kept; `rule` (the old rule's dtype) where there are fewer than two. `measure_with` times them
-    (default `measure`)."""
+def choose(candidates: Sequence[Candidate], hf_config: Any, rule: str,
+           measure_with: Callable[[Any, Sequence[Candidate]], dict[str, float]] | None = None) -> DtypeChoice:
+    """dtype='auto' among `candidates`: the fastest, measured once per machine and kept; `rule` (the old
+    rule's dtype) where there are fewer than two. `measure_with` times them (default `measure`)."""
     if len(candidates) < 2:
         return DtypeChoice(rule, ONLY_CANDIDATE)
     path = cache_path(hf_config)
-    cached = read_cached(path, candidates)
+    names = [c.dtype for c in candidates]
+    cached = read_cached(path, names)
     if cached is not None:
         return cached
     try:
@@ -152,10 +154,10 @@ def choose(candidates: Sequence[str], hf_config: Any, rule: str,
         warnings.warn(f"nanoengine: dtype='auto' could not time its candidates ({type(e).__name__}: {e}); "
                       f"using {rule}", stacklevel=2)
         return DtypeChoice(rule, UNMEASURED)
-    best = min(candidates, key=lambda c: ms[c])
-    choice = DtypeChoice(best, MEASURED, tuple((c, round(ms[c], 4)) for c in candidates))
+    best = min(names, key=lambda n: ms[n])
+    choice = DtypeChoice(best, MEASURED, tuple((n, round(ms[n], 4)) for n in names))
     write_cached(path, choice)
-    timings = ", ".join(f"{CANDIDATES[c].what} {ms[c]:.2f} ms" for c in candidates)
+    timings = ", ".join(f"{c.what} {ms[c.dtype]:.2f} ms" for c in candidates)
     print(f"nanoengine: dtype='auto' timed one decode step of this model's shape on this CPU ({timings}): "
           f"picked {best} (kept in {path.parent}; dtype= overrides)", file=sys.stderr, flush=True)
     return choice
@@ -163,8 +165,8 @@ def choose(candidates: Sequence[str], hf_config: Any, rule: str,
 
 # ------------------------------------------------------------------------------------------ the measurement
 
-def measure(hf_config: Any, candidates: Sequence[str]) -> dict[str, float]:
-    """Milliseconds of one decode step (ROWS sequences of CONTEXT tokens) of the model, per candidate,
+def measure(hf_config: Any, candidates: Sequence[Candidate]) -> dict[str, float]:
+    """Milliseconds of one decode step (ROWS sequences of CONTEXT tokens) of the model, per candidate's dtype,
     estimated from a stand-in (see the module docstring). Needs the C++ kernels built."""
     from nanoengine.kernels import cpu as cpu_kernels
 
@@ -182,9 +184,9 @@ def measure(hf_config: Any, candidates: Sequence[str]) -> dict[str, float]:
                  * hf_config.hidden_size)
     flush = torch.ones(min(other, 2 * (last_level_cache_bytes() or FLUSH_BYTES // 2), FLUSH_BYTES) // 4)
     out = {}
-    for name in candidates:
-        stack_s, head_s = time_stand_in(cfg, CANDIDATES[name], kernels, lambda: flush.sum())
-        out[name] = 1e3 * (stack_s * hf_config.num_hidden_layers / layers
+    for cand in candidates:
+        stack_s, head_s = time_stand_in(cfg, cand, kernels, lambda: flush.sum())
+        out[cand.dtype] = 1e3 * (stack_s * hf_config.num_hidden_layers / layers
                            + head_s * hf_config.vocab_size / vocab)
     return out
 
@@ -215,7 +217,6 @@ def time_stand_in(cfg: Any, cand: Candidate, kernels: Any,
                   between: Callable[[], Any] = lambda: None) -> tuple[float, float]:
     """Seconds of the stand-in's decode step through `cand`'s path: (the layer stack, the LM head), each
     timed with `between()` run (untimed) before it."""
-    from nanoengine import plan as plans
     from nanoengine.attention import get_backend
     from nanoengine.attention.metadata import AttentionMetadata
     from nanoengine.engine.inputs import ModelInput
@@ -234,10 +235,9 @@ def time_stand_in(cfg: Any, cand: Candidate, kernels: Any,
     fill_bf16_exact(model)
     if cand.prepack:
         prepack_weights(model)
-    rows = plans.bf16_weight_rows("cpu", "cpu", cand.dtype, cand.prepack, cfg)  # as the plan gives them
-    if rows:
-        use_bf16_weights(model, kernels, rows)
-    block = plans.DEFAULT_BLOCK_SIZE["cpu"]
+    if cand.bf16_rows:
+        use_bf16_weights(model, kernels, cand.bf16_rows)
+    block = cand.block_size
     per_seq = -(-(CONTEXT + 1) // block)
     kv_shape = backend.kv_cache_shape(ROWS * per_seq, block, shapes.num_kv_heads(cfg), shapes.head_dim(cfg))
     kv_cache = torch.zeros((2, cfg.num_hidden_layers, *kv_shape), dtype=dtype)

@@ -343,22 +343,27 @@ def pick_dtype(config: EngineConfig, device: str, hf_config: Any, backend: str,
 
 
 def dtype_candidates(config: EngineConfig, device: str, hf_config: Any, backend: str,
-                     pieces: PieceSelection = NO_PIECES, moe: bool = False) -> list[str]:
-    """The decode paths dtype='auto' chooses between on CPU for a 16-bit checkpoint (dtype_choice.CANDIDATES):
-    "float32" where the fused C++ step would run in float32 (with bf16 weight copies for a bf16 checkpoint),
-    "bfloat16" where its weights would be packed for oneDNN. None with quantization='int8': both dtypes
-    decode one stream through the same int8 kernel in the fused step, so timing would compare noise."""
+                     pieces: PieceSelection = NO_PIECES, moe: bool = False) -> list[dtype_choice.Candidate]:
+    """The decode paths dtype='auto' chooses between on CPU for a 16-bit checkpoint, as this plan would run
+    them: float32 where the fused C++ step would run in float32 (with bf16 weight copies for a bf16
+    checkpoint); bfloat16 where its weights would be packed for oneDNN. None with quantization='int8': both
+    dtypes decode one stream through the same int8 kernel in the fused step, so timing would compare noise."""
     import torch
 
     if (device != "cpu" or config.quantization
             or shapes.checkpoint_dtype(hf_config) not in (torch.bfloat16, torch.float16)):
         return []
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE[backend]
     out = []
     if (config.prepack_weights is not True
             and pick_decode_mode(config, device, backend, False, pieces, moe) is DecodeMode.FUSED_CPU):
-        out.append("float32")
+        out.append(dtype_choice.Candidate("float32", prepack=False, fused=True, block_size=block_size,
+                                          bf16_rows=bf16_weight_rows(device, backend, "float32", False,
+                                                                     hf_config)))
     if pick_prepack(config.prepack_weights, device, "bfloat16"):
-        out.append("bfloat16")
+        out.append(dtype_choice.Candidate("bfloat16", prepack=True, fused=False, block_size=block_size,
+                                          bf16_rows=bf16_weight_rows(device, backend, "bfloat16", True,
+                                                                     hf_config)))
     return out
 
 

@@ -31,8 +31,8 @@ class FakeTimer:
 
     def __call__(self, hf_config, candidates):
         self.calls += 1
-        assert sorted(candidates) == ["bfloat16", "float32"]
-        return {c: self.ms[c] for c in candidates}
+        assert sorted(c.dtype for c in candidates) == ["bfloat16", "float32"]
+        return {c.dtype: self.ms[c.dtype] for c in candidates}
 
 
 @pytest.fixture
@@ -129,21 +129,29 @@ def test_a_failed_measurement_warns_and_keeps_the_rule_unkept(machine, monkeypat
 
 
 # ------------------------------------------------------------------------ the real measurement, this machine
-def test_the_real_measurement_times_this_machines_candidates(cpu_kernels, monkeypatch, tmp_path):
-    """measure() on a tiny bf16 shape: a positive time for the float32 fused path (the one every machine
-    with the kernels has), and the stand-in's eager path runs too (the bfloat16 candidate's, here in
-    float32 since oneDNN bf16 may be missing)."""
+def test_the_real_measurement_times_this_machines_candidates(cpu_kernels):
+    """measure() on a tiny bf16 shape, for the candidates the plan finds here: a positive time for each
+    (float32 fused with bf16 copies everywhere the kernels are; bfloat16 with oneDNN where it has bf16), and
+    the stand-in's layer-by-layer path runs too (the bfloat16 candidate's, here in float32 since oneDNN
+    bf16 may be missing)."""
+    import dataclasses
+
+    from nanoengine.config import EngineConfig
+    from nanoengine.plan import dtype_candidates
+
     cfg = bf16_config()
-    ms = dtype_choice.measure(cfg, ["float32"])
-    assert set(ms) == {"float32"} and 0 < ms["float32"] < 1e3 and math.isfinite(ms["float32"])
+    candidates = dtype_candidates(EngineConfig(device="cpu"), "cpu", cfg, "cpu")
+    assert [c.dtype for c in candidates] == ["float32"] + (["bfloat16"] if linear.onednn_bf16_available()
+                                                            else [])
+    assert candidates[0].fused and candidates[0].bf16_rows > 0 and not candidates[0].prepack
+    ms = dtype_choice.measure(cfg, candidates)
+    assert set(ms) == {c.dtype for c in candidates}
+    assert all(0 < t < 1e3 and math.isfinite(t) for t in ms.values())
     sizes = dtype_choice.copy.deepcopy(cfg)
     sizes.num_hidden_layers, sizes.vocab_size, sizes.tie_word_embeddings = 1, 512, False
-    eager = dtype_choice.Candidate("float32", prepack=False, fused=False, what="eager")
+    eager = dataclasses.replace(candidates[0], fused=False)
     stack_s, head_s = dtype_choice.time_stand_in(sizes, eager, cpu_kernels)
     assert stack_s > 0 and head_s > 0
-    if linear.onednn_bf16_available():
-        ms = dtype_choice.measure(cfg, ["float32", "bfloat16"])
-        assert set(ms) == {"float32", "bfloat16"} and min(ms.values()) > 0
 
 
 def test_writers_racing_never_leave_a_half_written_file(tmp_path, monkeypatch):
