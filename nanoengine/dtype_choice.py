@@ -121,8 +121,7 @@ def read_cached(path: Path, candidates: Sequence[str]) -> DtypeChoice | None:
 def write_cached(path: Path, choice: DtypeChoice) -> None:
     """Write the file whole under a temporary name, then rename it (atomic on one file system)."""
     record = {"dtype": choice.dtype, "ms_per_step": dict(choice.ms_per_step), "key": path.stem,
-              "stand_in": {"layers": STAND_IN_LAYERS, "vocab": STAND_IN_VOCAB, "context": CONTEXT,
-                           "rows": ROWS}}
+              "stand_in": {"vocab": STAND_IN_VOCAB, "context": CONTEXT, "rows": ROWS}}
     tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
