@@ -15,9 +15,10 @@
 // - a few rows: the same, for up to 8 rows of x (AVX-512; AVX2: 6) per pass over the block (which then sits
 //   in the cache), one chain per row (AVX2 at 2 rows: two columns at a time, 8 chains): a column's weights are
 //   widened once for all of them, and the rows are split into as few passes as that allows (7 = 4 + 3);
-// - AVX2 from 16 rows on: the block is first widened and scaled to float32 once, as two 8-row blocks of
-//   bf16_linear's layout, and bf16_linear's register tiles (linear_tiles.h) multiply every row of x by it
-//   (measured: faster there than widening per pass; with AVX-512 the passes stay faster up to 32 rows).
+// - AVX2 from 64 rows on: the block is first widened and scaled to float32 once, as two 8-row blocks of
+//   bf16_linear's layout, and the float register tiles (linear_tiles.h `few_rows`) multiply every row of x by
+//   it (measured on an AVX2 EPYC: the passes above were faster up to 32 rows, about even at 64-128; with
+//   AVX-512 the passes stay faster up to 32 rows).
 // `path` picks the code: "auto" (the widest this build has), "avx512", "avx2" (where the build has them) or
 // "plain" (the loops a CPU without AVX2 runs), so that one machine tests every path (tests/test_kernels.py).
 #include "kernels.h"
@@ -36,7 +37,7 @@ namespace {
 constexpr int64_t kRows16 = 16;  // weight rows per int8 block: one AVX-512 register of outputs
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its reads a block's stream is prefetched
 constexpr int64_t kRowChunk = 8;  // rows of x that share one pass over a block (AVX-512; AVX2: 6)
-constexpr int64_t kWidenRows = 16;  // AVX2: from this many rows of x on, a block is widened to float32 once
+constexpr int64_t kWidenRows = 64;  // AVX2: from this many rows of x on, a block is widened to float32 once
 
 enum class Path { kPlain, kAvx2, kAvx512 };
 
@@ -226,7 +227,7 @@ void int8_block(Path path, const float* x, int64_t M, int64_t K, int64_t G, cons
 #ifdef NANOENGINE_AVX2
   if (path == Path::kAvx2 && M >= kWidenRows) {
     widen_block(K, G, q, s, wide);
-    tiles<2>(x, M, K, static_cast<const float*>(wide), bias, n0, N, out);
+    few_rows(x, M, K, static_cast<const float*>(wide), 2, bias, n0, N, out);
     return;
   }
 #endif
