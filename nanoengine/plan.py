@@ -63,15 +63,19 @@ FLASH_ATTN_DTYPES = ("float16", "bfloat16")
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor kv_cache_memory_gb is set
 # Batches of up to this many rows multiply bf16 weight copies with the C++ kernel
-# (layers.linear.use_bf16_weights): on a CPU without a fast bf16 matmul, a linear over so few rows is bound by
-# streaming its weight from memory, which the bf16 copy halves; larger batches keep the float32 matmul
-BF16_WEIGHT_MAX_ROWS = 32
+# (layers.linear.use_bf16_weights): on a CPU without a fast bf16 matmul, a linear over a few rows is bound by
+# streaming its weight from memory, which the bf16 copy halves, and the kernel's register tiles keep its FMA
+# units busy at more rows: on SmolLM2's linears (AMD EPYC, AVX2, 2 threads) it beat the float32 matmul at every
+# size up to 512 rows (42 against 76 ms at 32 rows, 330 against 418 at 256, 650 against 696 at 512); larger
+# batches (long prefill chunks) keep the float32 matmul
+BF16_WEIGHT_MAX_ROWS = 256
 # With quantization="int8", batches of up to this many rows multiply the int8 copies (layers.quant); larger
 # ones the float32 (or bf16) matmul of the dequantized weights. Measured per linear of SmolLM2 (1 thread,
 # Xeon with AVX-512): the int8 kernel beat both the bf16 kernel and the float32 matmul from 1 to 32 rows;
-# against oneDNN's packed bf16 matmul (AMX; prepack_weights) it won at 1 row only (SmolLM2's gate/up: 0.07
-# against 0.17 ms at 1 row, 0.26 against 0.17 at 8, 1.08 against 0.20 at 32)
-INT8_WEIGHT_MAX_ROWS = 32
+# on an AVX2 EPYC (2 threads) it beat the float32 matmul up to 128 rows (44 against 80 ms at 32, 164 against
+# 205 at 128); against oneDNN's packed bf16 matmul (AMX; prepack_weights) it won at 1 row only (SmolLM2's
+# gate/up: 0.07 against 0.17 ms at 1 row, 0.26 against 0.17 at 8, 1.08 against 0.20 at 32)
+INT8_WEIGHT_MAX_ROWS = 128
 INT8_WEIGHT_MAX_ROWS_ONEDNN = 1
 
 

@@ -128,12 +128,12 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernels):
                                  torch.ones(1, dtype=torch.long), 1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 13, 32])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539), (24, 8)])
 def test_bf16_linear_equals_the_float32_linear_of_its_weights(kernels, rows, out_features, in_features):
     """bf16 weights (packed by bf16_pack) widened to float32, float32 sums: the float32 linear of the same
     (bf16-valued) weights, up to the order of the sums; partial blocks of weight rows, an odd number of
-    blocks, and columns past a multiple of 4 included."""
+    blocks, columns past a multiple of 4, and every row tile of 2..15 rows (13 = 5 + 4 + 4) included."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen)

@@ -12,11 +12,13 @@
 // is one sequential stream, prefetched ahead as bf16_linear's is; the scales as [ceil(N / 16), groups, 16].
 // - one row of x (M = 1): a block's 16 outputs are one AVX-512 register (two AVX2 registers); per column,
 //   x[k] (broadcast) * widen(q[block, k]) is added into the group's sums, 4 chains over k (FMA latency);
-// - a few rows: the same, for up to 8 rows of x (AVX-512; AVX2: 3) per pass over the block (which then sits
-//   in the cache), one chain per row: a column's weights are widened once for all of them;
-// - AVX2 from 16 rows on: the block is first widened and scaled to float32 once, as two 8-row blocks of
-//   bf16_linear's layout, and bf16_linear's register tiles (linear_tiles.h) multiply every row of x by it
-//   (measured: faster there than widening per pass; with AVX-512 the passes stay faster up to 32 rows).
+// - a few rows: the same, for up to 8 rows of x (AVX-512; AVX2: 6) per pass over the block (which then sits
+//   in the cache), one chain per row (AVX2 at 2 rows: two columns at a time, 8 chains): a column's weights are
+//   widened once for all of them, and the rows are split into as few passes as that allows (7 = 4 + 3);
+// - AVX2 from 64 rows on: the block is first widened and scaled to float32 once, as two 8-row blocks of
+//   bf16_linear's layout, and the float register tiles (linear_tiles.h `few_rows`) multiply every row of x by
+//   it (measured on an AVX2 EPYC: the passes above were faster up to 32 rows, about even at 64-128; with
+//   AVX-512 the passes stay faster up to 32 rows).
 // `path` picks the code: "auto" (the widest this build has), "avx512", "avx2" (where the build has them) or
 // "plain" (the loops a CPU without AVX2 runs), so that one machine tests every path (tests/test_kernels.py).
 #include "kernels.h"
@@ -34,8 +36,8 @@ namespace {
 
 constexpr int64_t kRows16 = 16;  // weight rows per int8 block: one AVX-512 register of outputs
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its reads a block's stream is prefetched
-constexpr int64_t kRowChunk = 8;  // rows of x that share one pass over a block (AVX-512; AVX2: 3)
-constexpr int64_t kWidenRows = 16;  // AVX2: from this many rows of x on, a block is widened to float32 once
+constexpr int64_t kRowChunk = 8;  // rows of x that share one pass over a block (AVX-512; AVX2: 6)
+constexpr int64_t kWidenRows = 64;  // AVX2: from this many rows of x on, a block is widened to float32 once
 
 enum class Path { kPlain, kAvx2, kAvx512 };
 
@@ -100,31 +102,50 @@ void block_1row_avx2(const float* x, int64_t K, int64_t G, const int8_t* q, cons
   _mm256_storeu_ps(sums + 8, total[1]);
 }
 
-// kM rows of x (row stride K) against one block: sums [kM, 16]; one chain per row and half
-template <int kM>
+// kM rows of x (row stride K) against one block: sums [kM, 16]. kJ columns at a time, each into sums of its
+// own (kJ * kM * 2 chains: 8 or more keep both FMA units busy), added at the group's end and scaled.
+template <int kM, int kJ>
 void block_rows_avx2(const float* x, int64_t K, int64_t G, const int8_t* q, const float* s, float* sums) {
   __m256 total[kM][2];
 #pragma GCC unroll 8
   for (int m = 0; m < kM; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += G) {
     const int64_t end = std::min(K, k0 + G);
-    __m256 acc[kM][2];
+    __m256 acc[kJ][kM][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < kJ; ++j)
 #pragma GCC unroll 8
-    for (int m = 0; m < kM; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < end; ++k) {
+      for (int m = 0; m < kM; ++m) acc[j][m][0] = acc[j][m][1] = _mm256_setzero_ps();
+    int64_t k = k0;
+    for (; k + kJ <= end; k += kJ) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kJ; ++j) {
+        const __m256 lo = load_i8x8(q + (k + j) * kRows16), hi = load_i8x8(q + (k + j) * kRows16 + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < kM; ++m) {
+          const __m256 xb = _mm256_broadcast_ss(x + m * K + k + j);
+          acc[j][m][0] = _mm256_fmadd_ps(xb, lo, acc[j][m][0]);
+          acc[j][m][1] = _mm256_fmadd_ps(xb, hi, acc[j][m][1]);
+        }
+      }
+    }
+    for (; k < end; ++k) {
       const __m256 lo = load_i8x8(q + k * kRows16), hi = load_i8x8(q + k * kRows16 + 8);
 #pragma GCC unroll 8
       for (int m = 0; m < kM; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-        acc[m][0] = _mm256_fmadd_ps(xb, lo, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xb, hi, acc[m][1]);
+        acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
+        acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
       }
     }
     const __m256 s_lo = _mm256_loadu_ps(s + g * kRows16), s_hi = _mm256_loadu_ps(s + g * kRows16 + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < kM; ++m) {
-      total[m][0] = _mm256_fmadd_ps(acc[m][0], s_lo, total[m][0]);
-      total[m][1] = _mm256_fmadd_ps(acc[m][1], s_hi, total[m][1]);
+      __m256 lo = acc[0][m][0], hi = acc[0][m][1];
+#pragma GCC unroll 4
+      for (int j = 1; j < kJ; ++j) lo = _mm256_add_ps(lo, acc[j][m][0]), hi = _mm256_add_ps(hi, acc[j][m][1]);
+      total[m][0] = _mm256_fmadd_ps(lo, s_lo, total[m][0]);
+      total[m][1] = _mm256_fmadd_ps(hi, s_hi, total[m][1]);
     }
   }
 #pragma GCC unroll 8
@@ -206,7 +227,7 @@ void int8_block(Path path, const float* x, int64_t M, int64_t K, int64_t G, cons
 #ifdef NANOENGINE_AVX2
   if (path == Path::kAvx2 && M >= kWidenRows) {
     widen_block(K, G, q, s, wide);
-    tiles<2>(x, M, K, static_cast<const float*>(wide), bias, n0, N, out);
+    few_rows(x, M, K, static_cast<const float*>(wide), 2, bias, n0, N, out);
     return;
   }
 #endif
@@ -222,9 +243,17 @@ void int8_block(Path path, const float* x, int64_t M, int64_t K, int64_t G, cons
     } else
 #endif
 #ifdef NANOENGINE_AVX2
-    if (path == Path::kAvx2) {
-      if (M - m >= 3) block_rows_avx2<3>(xm, K, G, q, s, sums), rows = 3;
-      else block_1row_avx2(xm, K, G, q, s, sums);
+    if (path == Path::kAvx2) {  // as few passes as 2-6 rows a pass allow (7 = 4 + 3, 8 = 4 + 4, ...)
+      const int64_t left = M - m;
+      rows = left <= 6 ? left : left == 7 ? 4 : left <= 12 ? (left + 1) / 2 : 5;
+      switch (rows) {
+        case 1: block_1row_avx2(xm, K, G, q, s, sums); break;
+        case 2: block_rows_avx2<2, 2>(xm, K, G, q, s, sums); break;
+        case 3: block_rows_avx2<3, 1>(xm, K, G, q, s, sums); break;
+        case 4: block_rows_avx2<4, 1>(xm, K, G, q, s, sums); break;
+        case 5: block_rows_avx2<5, 1>(xm, K, G, q, s, sums); break;
+        default: block_rows_avx2<6, 1>(xm, K, G, q, s, sums); break;
+      }
     } else
 #endif
       block_1row_plain(xm, K, G, q, s, sums);

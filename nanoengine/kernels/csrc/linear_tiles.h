@@ -65,14 +65,37 @@ inline void tile(const float* x, int64_t m0, int64_t K, const W_t* w, const floa
     for (int b = 0; b < kB; ++b) store_row(sums[m][b], bias, n0 + b * kRows, N, out + (m0 + m) * N);
 }
 
-// every row of x against kB consecutive blocks: 6 rows at a time, then 3, then 1
-template <int kB, typename W_t, typename out_t>
-inline void tiles(const float* x, int64_t M, int64_t K, const W_t* w, const float* bias, int64_t n0, int64_t N,
-                  out_t* out) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile<6, kB>(x, m, K, w, bias, n0, N, out);
-  for (; m + 3 <= M; m += 3) tile<3, kB>(x, m, K, w, bias, n0, N, out);
-  for (; m < M; ++m) tile<1, kB>(x, m, K, w, bias, n0, N, out);
+
+// kM rows of x (from m0) against the nb blocks of w: kB blocks per tile, then one at a time
+template <int kM, int kB, typename W_t, typename out_t>
+inline void tile_blocks(const float* x, int64_t m0, int64_t K, const W_t* w, int64_t nb, const float* bias,
+                        int64_t n0, int64_t N, out_t* out) {
+  int64_t b = 0;
+  for (; b + kB <= nb; b += kB) tile<kM, kB>(x, m0, K, w + b * K * kRows, bias, n0 + b * kRows, N, out);
+  for (; b < nb; ++b) tile<kM, 1>(x, m0, K, w + b * K * kRows, bias, n0 + b * kRows, N, out);
+}
+
+// Every row of x against nb consecutive blocks, in register tiles that keep 8-12 independent sums (FMA
+// latency x throughput: 8 in flight keep both FMA units busy): 1 or 2 rows x 4 blocks, 3 to 6 rows x 2
+// blocks. The rows are split into as few tiles of <= 6 rows as can be, as even as can be (7 = 4 + 3,
+// 32 = 6 + 6 + 5 + 5 + 5 + 5), each a pass over the blocks (which then sit in the cache). (2 rows x 2
+// blocks, 4 sums, ran at half the speed; 1-row tiles left over after 6-row ones at a third.)
+template <typename W_t, typename out_t>
+inline void few_rows(const float* x, int64_t M, int64_t K, const W_t* w, int64_t nb, const float* bias,
+                     int64_t n0, int64_t N, out_t* out) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m, passes = (left + 5) / 6;
+    const int64_t rows = (left + passes - 1) / passes;  // the rest in tiles of <= 6 rows, as even as can be
+    switch (rows) {
+      case 1: tile_blocks<1, 4>(x, m, K, w, nb, bias, n0, N, out); break;
+      case 2: tile_blocks<2, 4>(x, m, K, w, nb, bias, n0, N, out); break;
+      case 3: tile_blocks<3, 2>(x, m, K, w, nb, bias, n0, N, out); break;
+      case 4: tile_blocks<4, 2>(x, m, K, w, nb, bias, n0, N, out); break;
+      case 5: tile_blocks<5, 2>(x, m, K, w, nb, bias, n0, N, out); break;
+      default: tile_blocks<6, 2>(x, m, K, w, nb, bias, n0, N, out); break;
+    }
+    m += rows;
+  }
 }
 #endif
 
