@@ -65,9 +65,9 @@ CPU_KV_CACHE_GB = 2.0  # the KV pool on CPU when neither num_kvcache_blocks nor 
 # Batches of up to this many rows multiply bf16 weight copies with the C++ kernel
 # (layers.linear.use_bf16_weights): on a CPU without a fast bf16 matmul, a linear over a few rows is bound by
 # streaming its weight from memory, which the bf16 copy halves, and the kernel's register tiles keep its FMA
-# units busy at more rows: on SmolLM2's linears (AMD EPYC, AVX2, 2 threads) it beat the float32 matmul at every
-# size up to 512 rows (42 against 76 ms at 32 rows, 330 against 418 at 256, 650 against 696 at 512); larger
-# batches (long prefill chunks) keep the float32 matmul
+# units busy at more rows: on SmolLM2's linears (AMD EPYC, AVX2, 2 threads) it beat the float32 matmul at
+# every size up to 512 rows (42 against 76 ms at 32 rows, 330 against 418 at 256, 650 against 696 at 512);
+# larger batches (long prefill chunks) keep the float32 matmul
 BF16_WEIGHT_MAX_ROWS = 256
 # With quantization="int8", batches of up to this many rows multiply the int8 copies (layers.quant); larger
 # ones the float32 (or bf16) matmul of the dequantized weights. Measured per linear of SmolLM2 (1 thread,
