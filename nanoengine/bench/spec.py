@@ -4,6 +4,7 @@ and without it. Chapter 09.
     python -m nanoengine.bench.spec                                         # SmolLM2-135M, 256 tokens a task
     python -m nanoengine.bench.spec --model tiny-qwen3 --max-tokens 32      # a smoke run (seconds)
     python -m nanoengine.bench.spec --draft-model smollm2-135m --draft-quantization int8   # + a draft model
+    python -m nanoengine.bench.spec --compare-fixed --max-tokens 128 --repeats 2  # adaptive vs fixed k
 
 One request at a time (a single stream: the memory-bound case speculation is for), greedy, the same number
 of tokens with and without speculation (ignore_eos), for two tasks:
@@ -16,6 +17,9 @@ left out), the speedup, the drafts' acceptance rate, tokens per target forward (
 steps; 1 without speculation), and whether both produced the same tokens (they must: greedy speculation is
 exact). With `--draft-model` a third engine speculates with that draft (`--draft-quantization int8`: e.g.
 the target itself in int8, a draft that agrees with it on most tokens at about half its cost per token).
+The speculating engines choose how many drafts to verify by their acceptance (nanoengine/spec/policy.py);
+`--compare-fixed` adds each one again without that policy (`ngram-fixed`: k drafts whenever a suffix
+matches), for a before/after in one run.
 Each engine runs each task once as a warm-up before the measured `--repeats`. JSON in `--out-dir`.
 """
 
@@ -61,7 +65,7 @@ def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str
 
 def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threads: int | None,
             prompt_lookup_max: int = 4, prompt_lookup_min: int = 2, draft_model: str | None = None,
-            draft_quantization: str | None = None) -> dict[str, Any]:
+            draft_quantization: str | None = None, compare_fixed: bool = False) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -72,6 +76,11 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
                           "quantization": draft_quantization}
     engines = {"plain": LLM(model, dtype=dtype),
                **{name: LLM(model, dtype=dtype, speculative_config=spec) for name, spec in specs.items()}}
+    if compare_fixed:  # the same proposers without the adaptive policy: k drafts whenever they have them
+        for name, spec in list(specs.items()):
+            specs[f"{name}-fixed"] = spec
+            engines[f"{name}-fixed"] = llm = LLM(model, dtype=dtype, speculative_config=spec)
+            llm.engine.speculator.policy = None
     tasks: dict[str, Any] = {}
     for task, messages in TASKS.items():
         runs: dict[str, list[dict]] = {}
@@ -103,22 +112,23 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
     hw = hardware.describe(device)
     hw["threads"] = torch.get_num_threads()
     return {"model": model, "workload": f"spec-{'-'.join(specs)}-k{k}", "hardware": hw,
-            "speculative_configs": specs, "max_tokens": max_tokens,
+            "speculative_configs": specs, "adaptive": {name: not name.endswith("-fixed") for name in specs},
+            "max_tokens": max_tokens,
             "repeats": repeats, "dtype": dtype, "tasks": tasks}
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'task':<10} {'method':<7} {'tok/s':>8} {'speedup':>8} {'accepted':>9} {'tok/forward':>12} "
+    head = (f"{'task':<10} {'method':<12} {'tok/s':>8} {'speedup':>8} {'accepted':>9} {'tok/forward':>12} "
             f"{'same':>5}")
     lines = [head, "-" * len(head)]
     for task, t in result["tasks"].items():
-        lines.append(f"{task:<10} {'plain':<7} {t['decode_tok_s_plain']:>8.1f} {'':>8} {'':>9} {1:>12.2f} "
+        lines.append(f"{task:<10} {'plain':<12} {t['decode_tok_s_plain']:>8.1f} {'':>8} {'':>9} {1:>12.2f} "
                      f"{str(t['same_tokens']):>5}")
         for name in result["speculative_configs"]:
             rate = t[f"acceptance_rate_{name}"]
             rate = "-" if rate is None else f"{100 * rate:.0f}%"
             tok_s, speedup = t[f"decode_tok_s_{name}"], t[f"speedup_{name}"]
-            lines.append(f"{'':<10} {name:<7} {tok_s:>8.1f} {speedup:>7.2f}x {rate:>9} "
+            lines.append(f"{'':<10} {name:<12} {tok_s:>8.1f} {speedup:>7.2f}x {rate:>9} "
                          f"{t[f'tokens_per_target_forward_{name}']:>12.2f}")
     return "\n".join(lines)
 
@@ -138,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model", default=None, help="also speculate with this draft model (asset name or "
                    "folder; it must share the model's tokenizer)")
     p.add_argument("--draft-quantization", default=None, choices=["int8"], help="the draft's weights")
+    p.add_argument("--compare-fixed", action="store_true", help="also run each speculating engine "
+                   "without the adaptive number of drafts (k whenever the proposer has them: "
+                   "'<method>-fixed'), in the same run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out-dir", default="bench_results")
     args = p.parse_args(argv)
     result = measure(args.model, args.num_speculative_tokens, args.max_tokens, args.repeats, args.dtype,
                      args.threads, args.prompt_lookup_max, args.prompt_lookup_min, args.draft_model,
-                     args.draft_quantization)
+                     args.draft_quantization, args.compare_fixed)
     print(table(result))
     from nanoengine.bench.report import result_name, write_json
 
