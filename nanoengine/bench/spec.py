@@ -20,7 +20,8 @@ the target itself in int8, a draft that agrees with it on most tokens at about h
 The speculating engines choose how many drafts to verify by their acceptance (nanoengine/spec/policy.py);
 `--compare-fixed` adds each one again without that policy (`ngram-fixed`: k drafts whenever a suffix
 matches), for a before/after in one run.
-Each engine runs each task once as a warm-up before the measured `--repeats`. JSON in `--out-dir`.
+Each engine runs each task once as a warm-up, then the engines take turns for the measured `--repeats`
+(alternating, so that a slow spell of a shared machine falls on all of them). JSON in `--out-dir`.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
             llm.engine.speculator.policy = None
     tasks: dict[str, Any] = {}
     for task, messages in TASKS.items():
-        runs: dict[str, list[dict]] = {}
-        for name, llm in engines.items():
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for llm in engines.values():
             run_task(llm, messages, params)  # warm-up
-            runs[name] = [run_task(llm, messages, params) for _ in range(repeats)]
+        for _ in range(repeats):  # the engines in turn: a slow spell of a shared machine hits all of them
+            for name, llm in engines.items():
+                runs[name].append(run_task(llm, messages, params))
         plain = runs["plain"]
         tok_s = {name: statistics.median(r["decode_tok_s"] for r in rs) for name, rs in runs.items()}
         tasks[task] = {
