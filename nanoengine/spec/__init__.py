@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer, Proposer
-from nanoengine.spec.policy import VERIFY_ROW_COST, AdaptiveK
+from nanoengine.spec.policy import AdaptiveK
 from nanoengine.spec.verify import SpecCounts, accepted_tokens
 
 if TYPE_CHECKING:
@@ -103,9 +103,8 @@ def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
     (policy.py: on by default, as there is no cost to it where drafts pay)."""
     if spec is None:
         return None
-    proposer = make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine)
-    cost = VERIFY_ROW_COST + getattr(proposer, "cost_per_draft", 0.0)  # (a draft model's decode costs too)
-    return Speculator(proposer, accept, AdaptiveK(spec.num_speculative_tokens, cost))
+    return Speculator(make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine), accept,
+                      AdaptiveK(spec.num_speculative_tokens))
 
 
 def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int, ngram_class: type = NgramProposer,

@@ -28,11 +28,9 @@ DRAFT_OPTIONS = dict(async_scheduling=False, enable_prefix_caching=True, use_exe
 
 
 class DraftModelProposer:
-    def __init__(self, engine: Any, num_speculative_tokens: int, cost_per_draft: float = 0.0) -> None:
+    def __init__(self, engine: Any, num_speculative_tokens: int) -> None:
         self.engine = engine  # the draft model's LLMEngine
         self.k = num_speculative_tokens
-        # a draft token's decode in target decode steps (the policy's cost model adds it to each draft's)
-        self.cost_per_draft = cost_per_draft
 
     @classmethod
     def build(cls, spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
@@ -60,7 +58,7 @@ class DraftModelProposer:
             engine = build_engine(spec.model, **options)
         except NanoengineError as e:
             raise type(e)(f"speculative_config model {spec.model!r} (the draft): {e}") from None
-        return cls(engine, spec.num_speculative_tokens, relative_cost(engine.plan, plan))
+        return cls(engine, spec.num_speculative_tokens)
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """The draft model's greedy continuation of `token_ids`: min(k, max_tokens) tokens."""
@@ -93,11 +91,3 @@ class DraftModelProposer:
     def close(self) -> None:
         self.engine.close()
 
-
-def relative_cost(draft_plan: Any, target_plan: Any) -> float:
-    """A draft decode step's cost in target decode steps, at one stream where a decode reads every weight
-    once: the bytes of weights the draft reads per step over the target's (as each engine runs its model:
-    dtype, bf16 copies, int8; nanoengine.bench.roofline's model shape)."""
-    from nanoengine.bench.roofline import engine_shape
-
-    return engine_shape(draft_plan).weight_bytes_per_step / engine_shape(target_plan).weight_bytes_per_step

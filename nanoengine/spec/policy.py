@@ -5,9 +5,9 @@ are read once per step whatever the rows, and each extra row costs its share of 
 each draft is accepted with probability a once the drafts before it were (the per-draft acceptance), it gives
 (1 - a^(k+1)) / (1 - a) tokens on average (`expected_tokens`: the kept drafts and the model's own token). So
 the k worth drafting is the one in 0..num_speculative_tokens with the most tokens per unit of cost (`best_k`);
-k = 0 is a plain decode, and for a = 0 nothing is worth drafting. A draft model's drafts cost its decode
-steps too: make_speculator adds their cost (draft.py's `relative_cost`, by the bytes of weights each reads)
-to c.
+k = 0 is a plain decode, and for a = 0 nothing is worth drafting. A draft model's own decode steps are not
+in the cost (the same rule serves both proposers; a draft model is chosen to be much cheaper than the
+target, and one as big as it, as the tests use, would never draft).
 
 `AdaptiveK` keeps, per sequence, a decayed count of accepted drafts and of rejections (a verification rejects
 one draft, the first one the model disagrees with, or none): a / (accepted + rejections) is the estimate of a
