@@ -19,7 +19,10 @@ exact). With `--draft-model` a third engine speculates with that draft (`--draft
 the target itself in int8, a draft that agrees with it on most tokens at about half its cost per token).
 The speculating engines choose how many drafts to verify by their acceptance (nanoengine/spec/policy.py);
 `--compare-fixed` adds each one again without that policy (`ngram-fixed`: k drafts whenever a suffix
-matches), for a before/after in one run.
+matches), for a before/after in one run. `c` is the cost of a draft in plain decode steps as each run
+measured it (a verification of 1 + k rows, and the drafting, at 1 + c·k decode steps): the figure the
+policy's VERIFY_ROW_COST stands for (noisy on a shared machine; measure it with --compare-fixed, whose runs
+draft most).
 Each engine runs each task once as a warm-up, then the engines take turns for the measured `--repeats`
 (alternating, so that a slow spell of a shared machine falls on all of them). JSON in `--out-dir`.
 """
@@ -58,10 +61,18 @@ def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str
     decode_steps = llm.last_run_stats["steps"] - 1  # (one prefill step: the prompt fits the budget)
     after = eng.spec_counts.as_dict()
     proposed, accepted = after["proposed"] - counts["proposed"], after["accepted"] - counts["accepted"]
-    return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (m.finished_time - m.first_token_time),
+    return {"tokens": tokens, "output_tokens": len(tokens),
+            "decode_tok_s": (len(tokens) - 1) / (m.finished_time - m.first_token_time),
             "decode_steps": decode_steps, "tokens_per_forward": (len(tokens) - 1) / max(decode_steps, 1),
             "proposed": proposed, "accepted": accepted,
             "acceptance_rate": accepted / proposed if proposed else None}
+
+
+def verify_row_cost(decode_s: float, plain_step_s: float, steps: int, drafts: int) -> float | None:
+    """c of the policy's cost model (nanoengine/spec/policy.py VERIFY_ROW_COST), as a run measured it: a run
+    of `steps` verifications of `drafts` drafts in all took decode_s = (steps + c·drafts) plain decode steps
+    (drafting included: an n-gram lookup, a draft model's decodes). None without drafts."""
+    return (decode_s / plain_step_s - steps) / drafts if drafts else None
 
 
 def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threads: int | None,
@@ -100,9 +111,13 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
             "text": engines["plain"].get_tokenizer().decode(plain[0]["tokens"])[:400],
             "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
                      for name, rs in runs.items()}}
+        plain_step_s = (plain[-1]["output_tokens"] - 1) / tok_s["plain"] / max(plain[-1]["decode_steps"], 1)
         for name in specs:
             last = runs[name][-1]
             tasks[task] |= {f"decode_tok_s_{name}": tok_s[name],
+                            f"verify_row_cost_{name}": verify_row_cost(
+                                (last["output_tokens"] - 1) / tok_s[name], plain_step_s, last["decode_steps"],
+                                last["proposed"]),
                             f"speedup_{name}": tok_s[name] / tok_s["plain"],
                             f"acceptance_rate_{name}": last["acceptance_rate"],
                             f"tokens_per_target_forward_{name}": last["tokens_per_forward"],
@@ -122,17 +137,19 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
 
 def table(result: dict[str, Any]) -> str:
     head = (f"{'task':<10} {'method':<12} {'tok/s':>8} {'speedup':>8} {'accepted':>9} {'tok/forward':>12} "
-            f"{'same':>5}")
+            f"{'c':>5} {'same':>5}")
     lines = [head, "-" * len(head)]
     for task, t in result["tasks"].items():
         lines.append(f"{task:<10} {'plain':<12} {t['decode_tok_s_plain']:>8.1f} {'':>8} {'':>9} {1:>12.2f} "
-                     f"{str(t['same_tokens']):>5}")
+                     f"{'':>5} {str(t['same_tokens']):>5}")
         for name in result["speculative_configs"]:
             rate = t[f"acceptance_rate_{name}"]
             rate = "-" if rate is None else f"{100 * rate:.0f}%"
             tok_s, speedup = t[f"decode_tok_s_{name}"], t[f"speedup_{name}"]
+            c = t[f"verify_row_cost_{name}"]
+            c = "-" if c is None else f"{c:.2f}"
             lines.append(f"{'':<10} {name:<12} {tok_s:>8.1f} {speedup:>7.2f}x {rate:>9} "
-                         f"{t[f'tokens_per_target_forward_{name}']:>12.2f}")
+                         f"{t[f'tokens_per_target_forward_{name}']:>12.2f} {c:>5}")
     return "\n".join(lines)
 
 

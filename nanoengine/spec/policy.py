@@ -16,7 +16,8 @@ that a geometric number of acceptances gives (the maximum-likelihood one), and t
 starts from a prior (`PRIOR_ACCEPTED`, `PRIOR_REJECTED`). A sequence at k = 0 gives no evidence, so every
 `PROBE_INTERVAL` plain steps it drafts one token again (a probe, at a cost of c); each probe that is rejected
 doubles the interval (up to `MAX_PROBE_INTERVAL`), so free text pays a fraction of a percent for it, and one
-that is accepted brings the sequence back to speculating. The state of a sequence is dropped when it
+that is accepted starts the sequence over from the prior (it speculates again, and its verifications say
+for how long). The state of a sequence is dropped when it
 finishes (`forget`): the scheduler calls it from every way a sequence ends.
 
 vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
@@ -28,12 +29,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# c: a verification of 1 + k rows of one sequence costs about (1 + c·k) plain decode steps. Measured on a
-# 2-core AVX2 CPU with SmolLM2-135M in float32: 1 + 4 rows at about 1.9x a decode (c ~ 0.22); the small-batch
-# kernel work (issue 40) brings it lower. A larger c drafts less often (only when acceptance is higher).
-VERIFY_ROW_COST = 0.22
+# c: a verification of 1 + k rows of one sequence costs about (1 + c·k) plain decode steps (the drafting
+# included). Measured with `python -m nanoengine.bench.spec --compare-fixed` (its `c` column) on a 2-core
+# AVX2 EPYC, SmolLM2-135M in float32, n-gram drafts: c ~ 0.45 at one thread, ~0.33 at two (before the
+# small-batch kernel work of issue 40, which aims at 1 + 4 rows <= 1.3 decodes, c <= 0.08: then set it
+# again). Too large a c gives up drafts that pay; too small, verifies drafts that do not.
+VERIFY_ROW_COST = 0.4
 ACCEPTANCE_DECAY = 0.8  # per verification: the evidence of the last ~5 verifications weighs most
-PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a new sequence's estimate: a = 0.6 (worth 2 verified drafts)
+PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a new sequence's estimate: a = 0.6 (worth 2 verified drafts;
+# with c = 0.4 it drafts one token, then more as they are accepted)
 PROBE_INTERVAL = 8  # plain decode steps at k = 0 before a sequence drafts one token again
 MAX_PROBE_INTERVAL = 64  # the interval doubles after each rejected probe, up to this
 
@@ -106,9 +110,12 @@ class AdaptiveK:
         state.accepted = ACCEPTANCE_DECAY * state.accepted + accepted
         state.rejected = ACCEPTANCE_DECAY * state.rejected + (accepted < proposed)
         state.idle = 0
-        if state.probing:  # a rejected probe waits twice as long for the next one; an accepted one resets
-            state.probing = False
-            state.interval = PROBE_INTERVAL if accepted else min(2 * state.interval, MAX_PROBE_INTERVAL)
+        if state.probing:  # a rejected probe waits twice as long for the next one; an accepted one starts
+            state.probing = False  # over from the prior (the sequence may have turned to copying)
+            if accepted:
+                self.states[seq_id] = SeqAcceptance()
+            else:
+                state.interval = min(2 * state.interval, MAX_PROBE_INTERVAL)
 
     def forget(self, seq_id: int) -> None:
         """seq_id finished: drop its state."""
