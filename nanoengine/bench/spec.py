@@ -71,8 +71,9 @@ def run_task(llm: LLM, messages: list[dict], params: SamplingParams) -> dict[str
 def verify_row_cost(decode_s: float, plain_step_s: float, steps: int, drafts: int) -> float | None:
     """c of the policy's cost model (nanoengine/spec/policy.py VERIFY_ROW_COST), as a run measured it: a run
     of `steps` verifications of `drafts` drafts in all took decode_s = (steps + c·drafts) plain decode steps
-    (drafting included: an n-gram lookup, a draft model's decodes). None without drafts."""
-    return (decode_s / plain_step_s - steps) / drafts if drafts else None
+    (drafting included: an n-gram lookup, a draft model's decodes). None with fewer drafts than steps (the
+    timing's noise would be most of it)."""
+    return (decode_s / plain_step_s - steps) / drafts if drafts >= steps else None
 
 
 def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threads: int | None,
