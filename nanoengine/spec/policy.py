@@ -10,15 +10,15 @@ in the cost (the same rule serves both proposers; a draft model is chosen to be 
 target, and one as big as it, as the tests use, would never draft).
 
 `AdaptiveK` keeps, per sequence, a decayed count of accepted drafts and of rejections (a verification rejects
-one draft, the first one the model disagrees with, or none): a / (accepted + rejections) is the estimate of a
-that a geometric number of acceptances gives (the maximum-likelihood one), and the decay
+one draft, the first one the model disagrees with, or none): accepted / (accepted + rejections) estimates a
+(the maximum-likelihood estimate for a geometric number of acceptances), and the decay
 (`ACCEPTANCE_DECAY` per verification) lets it follow a sequence that starts or stops copying. A new sequence
 starts from a prior (`PRIOR_ACCEPTED`, `PRIOR_REJECTED`). A sequence at k = 0 gives no evidence, so every
 `PROBE_INTERVAL` plain steps it drafts one token again (a probe, at a cost of c); each probe that is rejected
 doubles the interval (up to `MAX_PROBE_INTERVAL`), so free text pays a fraction of a percent for it, and one
 that is accepted starts the sequence over from the prior (it speculates again, and its verifications say
-for how long). The state of a sequence is dropped when it
-finishes (`forget`): the scheduler calls it from every way a sequence ends.
+for how long). The state of a sequence is dropped when it finishes (`forget`): the scheduler calls it from
+every way a sequence ends (stop rules, stop strings, abort); a preempted sequence keeps it.
 
 vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
 `Speculator(policy=None)` turns it off (every decoding sequence asks for k drafts at every step: the benchmark
