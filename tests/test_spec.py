@@ -29,6 +29,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer
+from nanoengine.spec.policy import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveK, best_k
 from nanoengine.spec.verify import accepted_tokens, rejection_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "exercises"))
@@ -111,6 +112,52 @@ def test_speculative_config_accepts_json_and_refuses_overlap():
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(InvalidValueError, match="trace=True with speculative_config is not supported yet"):
         EngineConfig(speculative_config=NGRAM, trace=True)
+
+
+# ---------------------------------------------------------------- how many drafts (policy.py)
+def test_best_k_is_the_argmax_of_tokens_per_cost():
+    """Against the cost model computed the slow way: the expected tokens of k drafts as the sum over the
+    number kept (j drafts kept, then a miss, or all k kept) over 1 + c·k."""
+    def rate(a, k, c):
+        tokens = sum((j + 1) * a ** j * (1 - a) for j in range(k)) + (k + 1) * a ** k
+        return tokens / (1 + c * k)
+
+    for a in [0.0, 0.05, 0.2, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99]:
+        for c in [0.1, 0.22, 0.5]:
+            for max_k in [1, 4, 8]:
+                rates = [rate(a, k, c) for k in range(max_k + 1)]
+                want = max(range(max_k + 1), key=lambda k: (round(rates[k], 9), -k))
+                assert best_k(a, max_k, c) == want, (a, c, max_k, rates)
+    assert best_k(0.0, 4) == 0 and best_k(0.99, 4) == 4
+
+
+def test_a_sequence_whose_drafts_are_rejected_stops_drafting_and_is_probed_again():
+    policy = AdaptiveK(4)
+    first = policy.choose(1)
+    assert first > 0  # a new sequence drafts
+    ks = []
+    for _ in range(300):  # every draft rejected
+        k = policy.choose(1)
+        ks.append(k)
+        policy.observe(1, k, 0)
+    assert ks[:2] != [0, 0] and ks[-50:].count(0) >= 48  # it stops drafting ...
+    probes = [i for i, k in enumerate(ks) if k and i > 10]
+    assert probes and all(ks[i] == 1 for i in probes)  # ... but for one-draft probes,
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] > PROBE_INTERVAL and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL + 1  # sparser
+    for _ in range(2 * MAX_PROBE_INTERVAL):  # it starts copying: the next probe is accepted, and k climbs
+        k = policy.choose(1)
+        policy.observe(1, k, k)
+    assert policy.choose(1) == 4
+    policy.forget(1)
+    assert policy.states == {}
+
+
+class AlwaysWrong:
+    """Proposes k tokens the stub model never prefers (it cannot produce STUB_V + 1)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        return [STUB_V + 1] * min(4, max_tokens)
 
 
 # ---------------------------------------------------------------- rejection sampling
@@ -294,6 +341,30 @@ def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
         assert eng.block_manager.num_free_blocks == pool  # everything given back
 
 
+def test_adaptive_drafts_stay_exact_stop_when_rejected_and_are_forgotten_at_the_end():
+    """Drafts that are always rejected: the sequences soon decode plainly (probes aside), the output is the
+    plain one, and the policy forgets every sequence that finished or was aborted."""
+    params = greedy_params()
+    want = run(stub(num_blocks=200), STUB_PROMPTS, params)
+    eng = stub(NGRAM, num_blocks=200)
+    eng.scheduler.speculator.proposer = AlwaysWrong()
+    assert run(eng, STUB_PROMPTS, params, checker) == want
+    counts, decodes = eng.spec_counts, sum(len(w[0]) - 1 for w in want)
+    assert counts.accepted == 0 and counts.verifications < decodes // 4, (counts, decodes)
+    assert eng.scheduler.speculator.policy.states == {}
+    fixed = stub(NGRAM, num_blocks=200)  # without the policy: a verification per decode
+    fixed.scheduler.speculator.proposer, fixed.scheduler.speculator.policy = AlwaysWrong(), None
+    assert run(fixed, STUB_PROMPTS, params) == want
+    assert fixed.spec_counts.verifications > 3 * counts.verifications
+    req = eng.make_request(SHARED, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.add(req)
+    for _ in range(4):
+        eng.step()
+    assert eng.scheduler.speculator.policy.states  # it has a state while it runs ...
+    eng.abort(req.request_id)
+    assert eng.scheduler.speculator.policy.states == {}  # ... and none once aborted
+
+
 def test_prefix_hits_and_rollback_keep_the_cache_clean():
     """A prompt whose blocks another request's verified output filled hits them, and the rejected drafts'
     blocks are back in the free list unhashed."""
@@ -401,8 +472,18 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     plain = LLM("tiny-qwen3", **kw)
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM("tiny-qwen3", speculative_config=draft, **kw)
+    proposer, batches = spec.engine.speculator.proposer, []
+    propose_many = proposer.propose_many
+
+    def recorded(token_ids, max_tokens):
+        batches.append(sum(m > 0 for m in max_tokens))
+        return propose_many(token_ids, max_tokens)
+
+    proposer.propose_many = recorded
     got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert max(batches) > 1, batches  # one draft run serves several sequences
+    assert spec.engine.speculator.policy.states == {}
     counts, eng = spec.engine.spec_counts, spec.engine
     assert 0 < counts.accepted < counts.proposed, counts  # drafts kept and drafts rejected
     assert any(st.num_preempted for st in eng.stats), "the 10-block pool should preempt"
@@ -443,7 +524,7 @@ def test_spec_bench_writes_its_figures(tmp_path):
     from nanoengine.bench import spec as bench
 
     argv = ["--model", "tiny-qwen3", "--max-tokens", "8", "--repeats", "1", "--out-dir", str(tmp_path),
-            "--draft-model", "tiny-qwen3"]
+            "--draft-model", "tiny-qwen3", "--compare-fixed"]
     assert bench.main(argv) == 0
     result = json.loads(next(tmp_path.glob("spec_*.json")).read_text())
     assert result["speculative_configs"]["ngram"]["num_speculative_tokens"] == 4
@@ -453,3 +534,6 @@ def test_spec_bench_writes_its_figures(tmp_path):
         assert t["tokens_per_target_forward_ngram"] >= 1 == t["tokens_per_target_forward_plain"]
         assert t["decode_tok_s_plain"] > 0 and t["decode_tok_s_ngram"] > 0
         assert t["acceptance_rate_draft"] == 1  # the model as its own draft: every draft is its own token
+        assert t["acceptance_rate_draft-fixed"] == 1
+        assert t["decode_tok_s_ngram-fixed"] > 0
+    assert result["adaptive"] == {"ngram": True, "draft": True, "ngram-fixed": False, "draft-fixed": False}

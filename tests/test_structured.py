@@ -170,8 +170,9 @@ def test_speculation_drafts_nothing_for_a_grammar_request(llm):
     want = llm.generate([prompt, prompt], params, use_tqdm=False)
     spec = LLM("tiny-qwen3", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **BASE)
     drafted = []
-    drafts = spec.engine.scheduler.drafts
-    spec.engine.scheduler.drafts = lambda seq, budget: drafted.append((seq, d := drafts(seq, budget))) or d
+    propose_many = spec.engine.speculator.propose_many  # (a step's decoding sequences, their limits)
+    spec.engine.speculator.propose_many = lambda seqs, limits: drafted.extend(
+        zip(seqs, d := propose_many(seqs, limits))) or d
     got = spec.generate([prompt, prompt], params, use_tqdm=False)
     assert tokens(got) == tokens(want)
     assert re.fullmatch(r"( one| two| three| four){6}", got[0].outputs[0].text)

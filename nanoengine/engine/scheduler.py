@@ -26,7 +26,10 @@ The scheduler is called twice per step, as in vLLM v1:
 
 With a speculator (speculative decoding, chapter 09) a decoding sequence gets drafts and is scheduled with
 1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room it
-decodes plainly); `update` asks the speculator which of them the model's tokens keep.
+decodes plainly); the drafts of all of a step's decoding sequences are asked for at once, before the pass
+(`propose_drafts`), and how many each asks for is the speculator's policy; `update` asks the speculator
+which of them the model's tokens keep and tells it (its policy learns from it), and a sequence that finishes
+is forgotten by it.
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ class Scheduler:
         #    every sequence of every step: the block manager's arithmetic (blocks_needed, fills_a_block) and
         #    seq.is_prefill are written out here
         i, running, speculator = 0, self.running, self.speculator
+        drafts = self.propose_drafts(budget) if speculator is not None else {}
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
@@ -184,8 +188,8 @@ class Scheduler:
             if n == 0 or (seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            if speculator is not None:  # a decode verifies its drafts with it
-                seq.spec_token_ids = self.drafts(seq, budget) if n == 1 and not seq.num_pending_tokens else []
+            if speculator is not None:  # a decode verifies its drafts with it (cut to the budget left)
+                seq.spec_token_ids = drafts.get(seq.seq_id, [])[:budget - 1] if n == 1 else []
                 n += len(seq.spec_token_ids)
                 if seq.spec_token_ids and not bm.can_allocate(seq, n):  # no room for them: plain decode
                     seq.spec_token_ids, n = [], 1
@@ -259,17 +263,30 @@ class Scheduler:
         bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         return n
 
-    def drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The speculator's drafts for a decoding sequence: at most one fewer than the tokens it may still
-        grow by (the model adds one of its own) and than this step's budget left. A sequence with structured
+    def propose_drafts(self, budget: int) -> dict[int, list[int]]:
+        """The speculator's drafts for every running sequence this step decodes (by seq_id), asked for all at
+        once (a draft model decodes them as one batch). Each gets at most one fewer than the tokens it may
+        still grow by (the model adds one of its own) and than the budget left after the sequences before it
+        (their drafts aside: `pick` cuts each to what is left when it comes). A sequence with structured
         outputs gets none: it decodes plainly (its drafts are not checked against its grammar)."""
-        if seq.sampling_params.structured_outputs is not None:
-            return []
-        room = self._max_len - seq.num_tokens
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - seq.num_completion_tokens)
-        return self.speculator.propose(seq.token_ids, min(room, budget) - 1)
+        seqs: list[Sequence] = []
+        limits: list[int] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            left = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
+            if left == 1 and not seq.num_pending_tokens and seq.sampling_params.structured_outputs is None:
+                room = self._max_len - seq.num_tokens
+                max_tokens = seq.sampling_params.max_tokens
+                if max_tokens is not None:
+                    room = min(room, max_tokens - seq.num_completion_tokens)
+                if min(room, budget) > 1:
+                    seqs.append(seq)
+                    limits.append(min(room, budget) - 1)
+            budget -= min(left, budget)
+        if not seqs:
+            return {}
+        return {seq.seq_id: d for seq, d in zip(seqs, self.speculator.propose_many(seqs, limits)) if d}
 
     def _preempt(self, seq: Sequence) -> list[int]:
         """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""
@@ -321,8 +338,8 @@ class Scheduler:
             if len(token_ids) // block_size > known // block_size:  # most tokens complete no block
                 bm.cache_full_blocks(seq)
             if drafts:
-                self.speculator.counts.add(len(drafts), min(len(taken), len(new) - 1), len(taken), out.step,
-                                           seq.seq_id)
+                self.speculator.verified(seq.seq_id, out.step, len(drafts), len(new) - 1,
+                                         min(len(taken), len(new) - 1), len(taken))
                 seq.spec_token_ids = []
                 if reason is None:
                     out.blocks_freed += bm.truncate(seq, seq.num_tokens)  # only rejected drafts wrote them
@@ -376,6 +393,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.num_pending_tokens = 0  # tokens a step in flight samples past the end are never shown
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

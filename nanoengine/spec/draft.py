@@ -9,8 +9,10 @@ tokens: one short prefill) and then decodes k - 1 tokens.
 
 Its drafts are greedy, so the proposal distribution q is a point mass and the engine's verification (sample
 each position, keep the drafts while they equal the model's tokens: nanoengine.spec.verify) is exact, for
-greedy and for sampled requests alike. One sequence is proposed for at a time: a step with B speculating
-sequences runs B draft requests (batching them into one draft engine run is the next step).
+greedy and for sampled requests alike. A step with B speculating sequences runs one draft engine run for all
+B (`propose_many`: B requests added, stepped until all are done: their short prefills in one step, their
+decodes batched). The draft's sequences are not kept between steps: the prefix cache stands for them, at the
+price of recomputing the last partial block at each proposal.
 """
 
 from __future__ import annotations
@@ -60,19 +62,32 @@ class DraftModelProposer:
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """The draft model's greedy continuation of `token_ids`: min(k, max_tokens) tokens."""
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
-        if k <= 0:
-            return []
+        return self.propose_many([token_ids], [self.k if max_tokens is None else max_tokens])[0]
+
+    def propose_many(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """The draft model's greedy continuations of several sequences, min(k, max_tokens[i]) tokens each,
+        in one run of the draft engine: a request each, stepped together until all are done (their prefills
+        and decodes batched as the engine batches any requests)."""
         engine = self.engine
-        request = engine.make_request(list(token_ids), SamplingParams(temperature=0, max_tokens=k,
-                                                                      ignore_eos=True), final_only=True)
-        engine.add(request)
+        requests = []
         try:
-            while not request.finished:
+            for ids, m in zip(token_ids, max_tokens):
+                k = min(self.k, m)
+                if k <= 0:
+                    requests.append(None)
+                    continue
+                request = engine.make_request(list(ids), SamplingParams(temperature=0, max_tokens=k,
+                                                                        ignore_eos=True), final_only=True)
+                engine.add(request)
+                requests.append(request)
+            while any(r is not None and not r.finished for r in requests):
                 engine.step()
-            return list(request.seqs[0].completion_token_ids)
+            return [[] if r is None else list(r.seqs[0].completion_token_ids) for r in requests]
         finally:
-            engine.abort(request.request_id)  # (finished: lets go; its blocks stay in the prefix cache)
+            for r in requests:  # (finished: lets go; its blocks stay in the prefix cache)
+                if r is not None:
+                    engine.abort(r.request_id)
 
     def close(self) -> None:
         self.engine.close()
+

@@ -14,7 +14,8 @@ from typing import Protocol
 
 
 class Proposer(Protocol):
-    """What the scheduler asks for drafts (plain Python: any object with this method will do)."""
+    """What the scheduler asks for drafts (plain Python: any object with this method will do; one that also
+    has `propose_many(token_ids_list, max_tokens_list)` is asked for a whole step's sequences at once)."""
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """At most max_tokens (and the proposer's own k) tokens to follow `token_ids`; [] for none."""
@@ -55,3 +56,7 @@ class NgramProposer:
             return []
         e = latest_full if latest_full is not None else earliest
         return token_ids[e + 1:e + 1 + k]
+
+    def propose_many(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """`propose` for each of a step's sequences (a lookup each: nothing to batch)."""
+        return [self.propose(ids, m) for ids, m in zip(token_ids, max_tokens)]

@@ -1,0 +1,124 @@
+"""How many drafts a sequence gets at a step: as many as pay, judged by its acceptance so far. Chapter 09.
+
+A verification of 1 + k rows costs about 1 + c·k decode steps (`VERIFY_ROW_COST`, c: at one stream the weights
+are read once per step whatever the rows, and each extra row costs its share of compute and attention). If
+each draft is accepted with probability a once the drafts before it were (the per-draft acceptance), it gives
+(1 - a^(k+1)) / (1 - a) tokens on average (`expected_tokens`: the kept drafts and the model's own token). So
+the k worth drafting is the one in 0..num_speculative_tokens with the most tokens per unit of cost (`best_k`);
+k = 0 is a plain decode, and for a = 0 nothing is worth drafting. A draft model's own decode steps are not
+in the cost (the same rule serves both proposers; a draft model is chosen to be much cheaper than the
+target, and one as big as it, as the tests use, would never draft).
+
+`AdaptiveK` keeps, per sequence, a decayed count of accepted drafts and of rejections (a verification rejects
+one draft, the first one the model disagrees with, or none): accepted / (accepted + rejections) estimates a
+(the maximum-likelihood estimate for a geometric number of acceptances), and the decay
+(`ACCEPTANCE_DECAY` per verification) lets it follow a sequence that starts or stops copying. A new sequence
+starts from a prior (`PRIOR_ACCEPTED`, `PRIOR_REJECTED`). A sequence at k = 0 gives no evidence, so every
+`PROBE_INTERVAL` plain steps it drafts one token again (a probe, at a cost of c); each probe that is rejected
+doubles the interval (up to `MAX_PROBE_INTERVAL`), so free text pays a fraction of a percent for it, and one
+that is accepted starts the sequence over from the prior (it speculates again, and its verifications say
+for how long). The state of a sequence is dropped when it finishes (`forget`): the scheduler calls it from
+every way a sequence ends (stop rules, stop strings, abort); a preempted sequence keeps it.
+
+vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
+`Speculator(policy=None)` turns it off (every decoding sequence asks for k drafts at every step: the benchmark
+compares both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# c: a verification of 1 + k rows of one sequence costs about (1 + c·k) plain decode steps (the drafting
+# included). Measured with `python -m nanoengine.bench.spec --compare-fixed` (its `c` column) on a 2-core
+# AVX2 EPYC, SmolLM2-135M in float32, n-gram drafts: c ~ 0.45 at one thread, ~0.33 at two (before the
+# small-batch kernel work of issue 40, which aims at 1 + 4 rows <= 1.3 decodes, c <= 0.08: then set it
+# again). Too large a c gives up drafts that pay; too small, verifies drafts that do not.
+VERIFY_ROW_COST = 0.4
+ACCEPTANCE_DECAY = 0.8  # per verification: the evidence of the last ~5 verifications weighs most
+# a new sequence's estimate: a = 0.75, worth 2 verified drafts (with c = 0.4: 2 drafts, 3 then 4 as they are
+# accepted; free text is down to k = 0 after 2 rejected verifications). Measured against a = 0.6 (1 draft
+# first): 1.58x against 1.50x on the grounded task, the same on free text
+PRIOR_ACCEPTED, PRIOR_REJECTED = 1.5, 0.5
+PROBE_INTERVAL = 8  # plain decode steps at k = 0 before a sequence drafts one token again
+MAX_PROBE_INTERVAL = 64  # the interval doubles after each rejected probe, up to this
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verification of k drafts gives on average when each is accepted with probability a (once the
+    ones before it were): 1 + a + ... + a^k."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_k(a: float, max_k: int, cost: float = VERIFY_ROW_COST) -> int:
+    """The k in 0..max_k with the most expected tokens per unit of cost, expected_tokens(a, k) / (1 + cost·k);
+    the smallest such k on a tie."""
+    best, best_rate = 0, 1.0
+    for k in range(1, max_k + 1):
+        rate = expected_tokens(a, k) / (1.0 + cost * k)
+        if rate > best_rate + 1e-12:
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass(slots=True)
+class SeqAcceptance:
+    """One sequence's evidence: decayed counts of accepted drafts and of rejections, plain steps since it last
+    drafted, and its probe interval."""
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
+    idle: int = 0
+    interval: int = PROBE_INTERVAL
+    probing: bool = False
+
+    @property
+    def rate(self) -> float:
+        """The per-draft acceptance estimate."""
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class AdaptiveK:
+    """Per sequence: the drafts to ask for at this step (`choose`), from its verifications (`observe`)."""
+
+    def __init__(self, max_k: int, cost: float = VERIFY_ROW_COST) -> None:
+        self.max_k = max_k
+        self.cost = cost
+        self._best = {}  # memo of best_k by rounded rate
+        self.states: dict[int, SeqAcceptance] = {}
+
+    def choose(self, seq_id: int) -> int:
+        """Drafts for seq_id's next step: best_k of its estimate, or a probe of one draft after
+        `interval` plain steps."""
+        state = self.states.get(seq_id)
+        if state is None:
+            state = self.states[seq_id] = SeqAcceptance()
+        key = round(state.rate, 3)
+        k = self._best.get(key)
+        if k is None:
+            k = self._best[key] = best_k(key, self.max_k, self.cost)
+        if k > 0:
+            return k
+        state.idle += 1
+        if state.idle > state.interval:
+            state.probing = True
+            return 1
+        return 0
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """seq_id's verification of `proposed` drafts kept the first `accepted`."""
+        state = self.states.get(seq_id)
+        if state is None or proposed == 0:
+            return
+        state.accepted = ACCEPTANCE_DECAY * state.accepted + accepted
+        state.rejected = ACCEPTANCE_DECAY * state.rejected + (accepted < proposed)
+        state.idle = 0
+        if state.probing:  # a rejected probe waits twice as long for the next one; an accepted one starts
+            state.probing = False  # over from the prior (the sequence may have turned to copying)
+            if accepted:
+                self.states[seq_id] = SeqAcceptance()
+            else:
+                state.interval = min(2 * state.interval, MAX_PROBE_INTERVAL)
+
+    def forget(self, seq_id: int) -> None:
+        """seq_id finished: drop its state."""
+        self.states.pop(seq_id, None)
