@@ -18,7 +18,8 @@ request asks for structured outputs. How it runs in the engine (`StructuredOutpu
   copy of the logits before the sampler (`TokenMask.apply`: the raw logits stay unmasked);
 - overlap scheduling: the next mask needs this step's tokens, so the engine finishes a step that sampled a
   grammar sequence before it schedules the next (steps without one overlap as before);
-- speculative decoding: a sequence with a grammar gets no drafts (it decodes plainly; Scheduler.propose_drafts).
+- speculative decoding: a sequence with a grammar gets no drafts (it decodes plainly;
+  Scheduler.propose_drafts).
 """
 
 from __future__ import annotations

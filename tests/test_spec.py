@@ -29,7 +29,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer
-from nanoengine.spec.policy import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveK, best_k
+from nanoengine.spec.policy import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveK, StepCost, best_k
 from nanoengine.spec.verify import accepted_tokens, rejection_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "exercises"))
@@ -129,6 +129,32 @@ def test_best_k_is_the_argmax_of_tokens_per_cost():
                 want = max(range(max_k + 1), key=lambda k: (round(rates[k], 9), -k))
                 assert best_k(a, max_k, c) == want, (a, c, max_k, rates)
     assert best_k(0.0, 4) == 0 and best_k(0.99, 4) == 4
+
+
+def test_step_cost_fits_the_steps_and_prices_a_row_by_the_batch():
+    """StepCost: the prior until steps of two row counts are seen; then T0 and r of seconds = T0 + r * rows
+    (noisy steps, against numpy's least squares over the same steps), and c = r * B / (T0 + r * B)."""
+    import numpy as np
+
+    cost = StepCost(prior=0.2)
+    assert cost.row_cost(1) == pytest.approx(0.2) and cost.row_cost(32) > 0.85  # (r / T0 = 0.25)
+    for _ in range(10):
+        cost.observe(1, 0.010)
+    assert cost.fit() is None and cost.row_cost(1) == pytest.approx(0.2)  # one row count: no fit
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 6, size=200)
+    secs = 0.010 + 0.002 * rows + rng.normal(0, 1e-4, size=200)
+    cost = StepCost()
+    for r, t in zip(rows, secs):
+        cost.observe(int(r), float(t))
+    t0, r = cost.fit()
+    assert t0 == pytest.approx(0.010, rel=0.05) and r == pytest.approx(0.002, rel=0.05)
+    want_r, want_t0 = np.polyfit(rows[-60:], secs[-60:], 1)  # the decay weighs the last steps most
+    assert r == pytest.approx(want_r, rel=0.1) and t0 == pytest.approx(want_t0, rel=0.1)
+    assert cost.row_cost(1) == pytest.approx(r / (t0 + r))
+    assert cost.row_cost(32) == pytest.approx(32 * r / (t0 + 32 * r))
+    policy = AdaptiveK(4)  # a cheap row drafts more than a dear one, at the same acceptance
+    assert policy.choose(1, cost=0.05) > policy.choose(2, cost=0.9)
 
 
 def test_a_sequence_whose_drafts_are_rejected_stops_drafting_and_is_probed_again():

@@ -312,6 +312,8 @@ class LLMEngine:
                              forward_start=None if span is None else span[0] - clock,
                              forward_end=None if span is None else span[1] - clock)
         self.stats.append(stats)
+        if self.speculator is not None and stats.decode_tokens and not stats.prefill_tokens:
+            self.speculator.observe_step(stats.decode_tokens, stats.forward_s)  # (the drafts' cost, measured)
         if self.trace is not None:
             self.trace.record(step.scheduled, update.finished, stats, self.scheduler.running,
                               self.block_manager)

@@ -50,8 +50,10 @@ class Speculator:
         """Drafts for each of a step's decoding sequences, at most its max_tokens and what the policy
         chooses for it, asked of the proposer in one batch (a draft model decodes them together)."""
         policy = self.policy
-        ks = max_tokens if policy is None else [min(policy.choose(s.seq_id), m)
-                                                for s, m in zip(seqs, max_tokens)]
+        if policy is not None:  # c as measured, for a sequence among len(seqs) decoding ones
+            cost = policy.step_cost.row_cost(len(seqs))
+            max_tokens = [min(policy.choose(s.seq_id, cost), m) for s, m in zip(seqs, max_tokens)]
+        ks = max_tokens
         asked = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not asked:
@@ -79,6 +81,12 @@ class Speculator:
         self.counts.add(num_drafts, num_counted, num_tokens, step, seq_id)
         if self.policy is not None:
             self.policy.observe(seq_id, num_drafts, num_accepted)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows took `seconds` on the forward (what the policy's cost is fit
+        on)."""
+        if self.policy is not None:
+            self.policy.step_cost.observe(rows, seconds)
 
     def forget(self, seq_id: int) -> None:
         """seq_id finished (stopped, aborted): drop what the policy and the proposer keep for it."""

@@ -20,6 +20,13 @@ that is accepted starts the sequence over from the prior (it speculates again, a
 for how long). The state of a sequence is dropped when it finishes (`forget`): the scheduler calls it from
 every way a sequence ends (stop rules, stop strings, abort); a preempted sequence keeps it.
 
+c itself is measured as the engine runs (`StepCost`): every decode-only step's forward time and rows fit
+seconds = T0 + r * rows (decayed least squares), so the cost follows the machine, the dtype and the kernels
+(at one stream on a 2-core AVX2 CPU, bf16 weight copies: c ~ 0.07; int8: ~0.25). With B sequences decoding
+together a step costs each of them (T0 + r * B) / B, so one more row costs it c = r * B / (T0 + r * B): at
+one stream little, at 32 streams (compute-bound) nearly a whole step, and drafting stops paying. Until the
+steps have shown two different row counts, c is the prior `VERIFY_ROW_COST` (scaled the same way).
+
 vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
 `Speculator(policy=None)` turns it off (every decoding sequence asks for k drafts at every step: the benchmark
 compares both).
@@ -29,12 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# c: a verification of 1 + k rows of one sequence costs about (1 + c·k) plain decode steps (the drafting
-# included). Measured with `python -m nanoengine.bench.spec --compare-fixed` (its `c` column) on a 2-core
-# AVX2 EPYC, SmolLM2-135M in float32, n-gram drafts: c ~ 0.45 at one thread, ~0.33 at two (before the
-# small-batch kernel work of issue 40, which aims at 1 + 4 rows <= 1.3 decodes, c <= 0.08: then set it
-# again). Too large a c gives up drafts that pay; too small, verifies drafts that do not.
-VERIFY_ROW_COST = 0.4
+# c before the engine has measured it (`StepCost`): a verification of 1 + k rows of one sequence costs about
+# (1 + c·k) plain decode steps at one stream. Measured on a 2-core AVX2 EPYC, SmolLM2-135M, with the
+# small-batch kernels' register tiles (issue 40): a step of 1 + 4 rows 1.26x a decode with bf16 weight
+# copies (c = 0.065), 1.9x with int8 (c = 0.22); before them c was ~0.4. Too large a c gives up drafts that
+# pay; too small, verifies drafts that do not.
+VERIFY_ROW_COST = 0.15
+STEP_COST_DECAY = 0.97  # per decode step: the fit follows the last ~30 steps most
+MIN_ROW_SPREAD = 0.25  # the rows' (weighted) variance the fit needs before it replaces the prior
 ACCEPTANCE_DECAY = 0.8  # per verification: the evidence of the last ~5 verifications weighs most
 # a new sequence's estimate: a = 0.75, worth 2 verified drafts (with c = 0.4: 2 drafts, 3 then 4 as they are
 # accepted; free text is down to k = 0 after 2 rejected verifications). Measured against a = 0.6 (1 draft
@@ -61,6 +70,39 @@ def best_k(a: float, max_k: int, cost: float = VERIFY_ROW_COST) -> int:
     return best
 
 
+class StepCost:
+    """A decode step's seconds as T0 + r * rows, fit online by decayed least squares over the engine's
+    decode-only steps (`observe`), and what one more row costs a sequence in units of its share of a step
+    (`row_cost`, c in the module docstring)."""
+
+    def __init__(self, prior: float = VERIFY_ROW_COST) -> None:
+        self.prior = prior  # c at one stream until the fit can say
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0  # decayed weight and sums
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = STEP_COST_DECAY
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(T0, r) seconds, or None while the steps seen do not tell them apart (one row count)."""
+        if self.n < 3:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var < MIN_ROW_SPREAD:
+            return None
+        r = max((self.sxy / self.n - mx * my) / var, 0.0)
+        return max(my - r * mx, 1e-9), r
+
+    def row_cost(self, batch: int) -> float:
+        """c for a sequence decoding among `batch`: r * B / (T0 + r * B), from the fit, else the prior (whose
+        r / T0 is c / (1 - c) at one stream)."""
+        fitted = self.fit()
+        ratio = fitted[1] / fitted[0] if fitted is not None else self.prior / (1.0 - self.prior)  # r / T0
+        return ratio * batch / (1.0 + ratio * batch)
+
+
 @dataclass(slots=True)
 class SeqAcceptance:
     """One sequence's evidence: decayed counts of accepted drafts and of rejections, plain steps since it last
@@ -82,20 +124,21 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, cost: float = VERIFY_ROW_COST) -> None:
         self.max_k = max_k
-        self.cost = cost
-        self._best = {}  # memo of best_k by rounded rate
+        self.cost = cost  # c when `choose` is given none
+        self.step_cost = StepCost(cost)  # c as the engine measures it (the Speculator asks it per step)
+        self._best = {}  # memo of best_k by rounded rate and cost
         self.states: dict[int, SeqAcceptance] = {}
 
-    def choose(self, seq_id: int) -> int:
-        """Drafts for seq_id's next step: best_k of its estimate, or a probe of one draft after
-        `interval` plain steps."""
+    def choose(self, seq_id: int, cost: float | None = None) -> int:
+        """Drafts for seq_id's next step: best_k of its estimate at cost c (`cost`, else the constructor's),
+        or a probe of one draft after `interval` plain steps."""
         state = self.states.get(seq_id)
         if state is None:
             state = self.states[seq_id] = SeqAcceptance()
-        key = round(state.rate, 3)
+        key = (round(state.rate, 3), round(self.cost if cost is None else cost, 2))
         k = self._best.get(key)
         if k is None:
-            k = self._best[key] = best_k(key, self.max_k, self.cost)
+            k = self._best[key] = best_k(key[0], self.max_k, key[1])
         if k > 0:
             return k
         state.idle += 1
