@@ -374,6 +374,7 @@ def test_adaptive_drafts_stay_exact_stop_when_rejected_and_are_forgotten_at_the_
     want = run(stub(num_blocks=200), STUB_PROMPTS, params)
     eng = stub(NGRAM, num_blocks=200)
     eng.scheduler.speculator.proposer = AlwaysWrong()
+    eng.scheduler.speculator.observe_step = lambda rows, seconds: None  # c: the prior (stub steps time noise)
     assert run(eng, STUB_PROMPTS, params, checker) == want
     counts, decodes = eng.spec_counts, sum(len(w[0]) - 1 for w in want)
     assert counts.accepted == 0 and counts.verifications < decodes // 4, (counts, decodes)
@@ -431,7 +432,8 @@ def test_sampled_speculation_follows_the_models_distribution():
     marginal laws under the stub model, by chi-square on its 16 tokens."""
     prompt, n = [1, 2], 1500
     eng = stub(NGRAM, num_blocks=2048, max_num_batched_tokens=4096, max_num_seqs=256)
-    eng.scheduler.speculator.proposer = StubPreference()
+    # drafts at every step (no policy: at 256 sequences a step, it would judge drafting too dear)
+    eng.scheduler.speculator.proposer, eng.scheduler.speculator.policy = StubPreference(), None
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
     out = run(eng, [prompt] * n, params)
     assert eng.spec_counts.accepted > n // 4 and eng.spec_counts.accepted < eng.spec_counts.proposed

@@ -50,9 +50,11 @@ class Speculator:
         """Drafts for each of a step's decoding sequences, at most its max_tokens and what the policy
         chooses for it, asked of the proposer in one batch (a draft model decodes them together)."""
         policy = self.policy
-        if policy is not None:  # c as measured, for a sequence among len(seqs) decoding ones
-            cost = policy.step_cost.row_cost(len(seqs))
-            max_tokens = [min(policy.choose(s.seq_id, cost), m) for s, m in zip(seqs, max_tokens)]
+        if policy is not None:  # c as measured for a greedy sequence among len(seqs) decoding ones; a sampled
+            # one's drafts change its draws, so they follow its tokens only (the prior c), as its seed must
+            measured, prior = policy.step_cost.row_cost(len(seqs)), policy.step_cost.prior_cost(len(seqs))
+            costs = [measured if s.sampling_params.temperature == 0 else prior for s in seqs]
+            max_tokens = [min(policy.choose(s.seq_id, c), m) for s, c, m in zip(seqs, costs, max_tokens)]
         ks = max_tokens
         asked = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]

@@ -25,7 +25,9 @@ seconds = T0 + r * rows (decayed least squares), so the cost follows the machine
 (at one stream on a 2-core AVX2 CPU, bf16 weight copies: c ~ 0.07; int8: ~0.25). With B sequences decoding
 together a step costs each of them (T0 + r * B) / B, so one more row costs it c = r * B / (T0 + r * B): at
 one stream little, at 32 streams (compute-bound) nearly a whole step, and drafting stops paying. Until the
-steps have shown two different row counts, c is the prior `VERIFY_ROW_COST` (scaled the same way).
+steps have shown two different row counts, c is the prior `VERIFY_ROW_COST` (scaled the same way). Only
+greedy sequences use the measured c: drafts change which draws a sampled sequence makes, and timings differ
+from run to run, so a sampled sequence drafts by the prior and its tokens alone, and a seed reproduces it.
 
 vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
 `Speculator(policy=None)` turns it off (every decoding sequence asks for k drafts at every step: the benchmark
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 VERIFY_ROW_COST = 0.15
 STEP_COST_DECAY = 0.97  # per decode step: the fit follows the last ~30 steps most
 MIN_ROW_SPREAD = 0.25  # the rows' (weighted) variance the fit needs before it replaces the prior
+MIN_ROW_COST = 0.02  # the least c the fit gives (a row is never free: proposing, sampling, rolling back)
 ACCEPTANCE_DECAY = 0.8  # per verification: the evidence of the last ~5 verifications weighs most
 # a new sequence's estimate: a = 0.75, worth 2 verified drafts (with c = 0.4: 2 drafts, 3 then 4 as they are
 # accepted; free text is down to k = 0 after 2 rejected verifications). Measured against a = 0.6 (1 draft
@@ -99,7 +102,14 @@ class StepCost:
         """c for a sequence decoding among `batch`: r * B / (T0 + r * B), from the fit, else the prior (whose
         r / T0 is c / (1 - c) at one stream)."""
         fitted = self.fit()
-        ratio = fitted[1] / fitted[0] if fitted is not None else self.prior / (1.0 - self.prior)  # r / T0
+        if fitted is None:
+            return self.prior_cost(batch)
+        t0, r = fitted
+        return max(r * batch / (t0 + r * batch), MIN_ROW_COST)
+
+    def prior_cost(self, batch: int) -> float:
+        """c from the prior alone: r / T0 = prior / (1 - prior), the same for every run."""
+        ratio = self.prior / (1.0 - self.prior)
         return ratio * batch / (1.0 + ratio * batch)
 
 
