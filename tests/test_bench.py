@@ -373,3 +373,16 @@ def test_single_stream_times_every_linear_and_attention_call_once_per_step():
                      use_tqdm=False)
     assert totals["calls"] == 3 * len(timed)  # one prefill step and two decode steps
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in timed)
+
+
+def test_step_rows_times_steps_of_exactly_the_rows_asked():
+    """bench/step_rows: every point timed on steps of its own row count (B sequences, or 1 + k verification
+    rows from FixedDrafts with the policy off), ratios against the 1-row step."""
+    from nanoengine.bench import step_rows
+
+    assert step_rows.FixedDrafts(3).propose([5, 6, 7], 2) == [7, 7]
+    r = step_rows.measure("tiny-qwen3", None, "auto", prompt_len=8, steps=3, repeats=1, batches=(1, 3),
+                          drafts=(2,))
+    got = [(p["sequences"], p["drafts"], p["rows"]) for p in r["points"]]
+    assert got == [(1, 0, 1), (3, 0, 3), (1, 2, 3)]
+    assert r["points"][0]["x_one_row"] == 1.0 and all(p["ms"] > 0 for p in r["points"])
