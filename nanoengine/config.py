@@ -45,13 +45,18 @@ class SpeculativeConfig:
     prompt_lookup_max down to prompt_lookup_min, against the tokens before them; "draft_model" decodes them
     greedily with `model` (a checkpoint folder, an asset name or a Hub id, as `assets.resolve_model` takes;
     it must share the target's tokenizer), its weights quantized as `quantization` says (e.g. the target
-    itself in int8 is a draft that agrees often)."""
+    itself in int8 is a draft that agrees often). `row_cost` (nanoengine's own, not vLLM's) is what one
+    more verified row costs a sequence decoding alone, in plain decode steps, which decides how many drafts
+    pay (spec/policy.py): "measured" fits it to the engine's own step times as it runs (the fastest, but
+    which steps draft then depends on timing), a number in [0, 1) fixes it (a greedy run's schedule is the
+    same every time: the capstone and the tests compare schedules step by step)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model ("draft_model" only)
     quantization: str | None = None  # the draft's weights ("draft_model" only; see QUANTIZATIONS)
+    row_cost: float | str = "measured"  # one more verified row's cost at one stream: "measured", or fixed
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:
@@ -79,7 +84,7 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise InvalidValueError(f"EngineConfig: speculative_config method must be one of "
                                     f"{SPECULATIVE_METHODS}, got {method!r}")
-        given = set(value) - {"method", "num_speculative_tokens"}
+        given = set(value) - {"method", "num_speculative_tokens", "row_cost"}
         own = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"},
                "draft_model": {"model", "quantization"}}[method]
         if given - own:
@@ -98,6 +103,12 @@ class SpeculativeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidValueError(f"EngineConfig: speculative_config {key} must be an integer >= 1, "
                                         f"got {v!r}")
+        cost = value.get("row_cost", "measured")
+        if cost != "measured" and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                   or not 0 <= cost < 1):
+            raise InvalidValueError(f"EngineConfig: speculative_config row_cost must be \"measured\" or a "
+                                    f"number in [0, 1) (a verified row's cost in decode steps, e.g. 0.15), "
+                                    f"got {cost!r}")
         spec = cls(**value)
         if spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise InvalidValueError(f"EngineConfig: speculative_config num_speculative_tokens must be <= "

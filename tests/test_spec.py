@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "exercises"))
 from ex_helpers import CHI2_P001, chi_square  # noqa: E402  (the exercises' statistics, shared)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# the drafts' cost fixed: measured, which steps draft would depend on each step's timing (not the tokens)
+FIXED_NGRAM = {**NGRAM, "row_cost": 0.15}
 
 
 # ---------------------------------------------------------------- proposer, acceptance, options
@@ -98,6 +100,8 @@ def test_accepted_tokens_is_the_longest_equal_prefix_plus_the_models_token():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_min=3 is above"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "row_cost": 1.5}, r"row_cost must be \"measured\" or"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "row_cost": "auto"}, "number in \\[0, 1\\)"),
     ("{not json", "not valid JSON"),
 ])
 def test_speculative_config_errors_name_the_problem(bad, message):
@@ -107,7 +111,8 @@ def test_speculative_config_errors_name_the_problem(bad, message):
 
 def test_speculative_config_accepts_json_and_refuses_overlap():
     spec = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config  # as the command line has it
-    assert spec == SpeculativeConfig("ngram", 4)
+    assert spec == SpeculativeConfig("ngram", 4) and spec.row_cost == "measured"
+    assert EngineConfig(speculative_config=json.dumps(FIXED_NGRAM)).speculative_config.row_cost == 0.15
     with pytest.raises(InvalidValueError, match="does not overlap steps"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(InvalidValueError, match="trace=True with speculative_config is not supported yet"):
@@ -155,6 +160,10 @@ def test_step_cost_fits_the_steps_and_prices_a_row_by_the_batch():
     assert cost.row_cost(32) == pytest.approx(32 * r / (t0 + 32 * r))
     policy = AdaptiveK(4)  # a cheap row drafts more than a dear one, at the same acceptance
     assert policy.choose(1, cost=0.05) > policy.choose(2, cost=0.9)
+    fixed = StepCost(prior=0.2, measure=False)  # speculative_config row_cost: the steps change nothing
+    for r, t in zip(rows, secs):
+        fixed.observe(int(r), float(t))
+    assert fixed.fit() is None and fixed.row_cost(1) == pytest.approx(0.2)
 
 
 def test_a_sequence_whose_drafts_are_rejected_stops_drafting_and_is_probed_again():
@@ -354,7 +363,7 @@ def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
     answers = [list(p) + w[0] for p, w in zip([q for q, sp in zip(STUB_PROMPTS, params) for _ in range(sp.n)],
                                               want)]
     for proposer in ["ngram", NoisyOracle(answers)]:
-        eng = stub(NGRAM, num_blocks=pool)
+        eng = stub(FIXED_NGRAM, num_blocks=pool)
         if proposer != "ngram":
             eng.scheduler.speculator.proposer = proposer
         assert run(eng, STUB_PROMPTS, params, checker) == want, proposer
@@ -372,9 +381,8 @@ def test_adaptive_drafts_stay_exact_stop_when_rejected_and_are_forgotten_at_the_
     plain one, and the policy forgets every sequence that finished or was aborted."""
     params = greedy_params()
     want = run(stub(num_blocks=200), STUB_PROMPTS, params)
-    eng = stub(NGRAM, num_blocks=200)
+    eng = stub(FIXED_NGRAM, num_blocks=200)
     eng.scheduler.speculator.proposer = AlwaysWrong()
-    eng.scheduler.speculator.observe_step = lambda rows, seconds: None  # c: the prior (stub steps time noise)
     assert run(eng, STUB_PROMPTS, params, checker) == want
     counts, decodes = eng.spec_counts, sum(len(w[0]) - 1 for w in want)
     assert counts.accepted == 0 and counts.verifications < decodes // 4, (counts, decodes)
@@ -395,7 +403,7 @@ def test_adaptive_drafts_stay_exact_stop_when_rejected_and_are_forgotten_at_the_
 def test_prefix_hits_and_rollback_keep_the_cache_clean():
     """A prompt whose blocks another request's verified output filled hits them, and the rejected drafts'
     blocks are back in the free list unhashed."""
-    eng = stub(NGRAM, num_blocks=64)
+    eng = stub(FIXED_NGRAM, num_blocks=64)
     first = run(eng, [SHARED], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)], checker)
     again = SHARED + first[0][0][:8]  # its prompt + 8 generated tokens: two more full blocks
     out = run(eng, [again], [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)], checker)

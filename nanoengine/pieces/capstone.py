@@ -37,9 +37,11 @@ WORKLOAD = dict(dtype="float32", max_num_batched_tokens=40, num_kvcache_blocks=8
                 async_scheduling=False)
 MAX_TOKENS = 16
 # options the engine runs with on both sides: ch07's two ranks; ch09's speculation (its reference runs the
-# engine's own proposer with the same options, and its greedy text must also equal the engine's without it)
+# engine's own proposer with the same options, and its greedy text must also equal the engine's without it;
+# row_cost fixed: with the measured cost, which steps draft would depend on each run's timing)
 CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2),
-                   "ch09": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})}
+                   "ch09": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                    "row_cost": 0.15})}
 # options the reference run takes too (tensor parallelism gives the same tokens as one rank: not these)
 REFERENCE_OPTIONS = ("speculative_config",)
 # ch10's pieces run only in a mixture-of-experts model's layers

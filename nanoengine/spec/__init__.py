@@ -113,8 +113,11 @@ def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
     (policy.py: on by default, as there is no cost to it where drafts pay)."""
     if spec is None:
         return None
+    measured = spec.row_cost == "measured"
+    policy = AdaptiveK(spec.num_speculative_tokens, measure=measured) if measured else \
+        AdaptiveK(spec.num_speculative_tokens, float(spec.row_cost), measure=False)
     return Speculator(make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine), accept,
-                      AdaptiveK(spec.num_speculative_tokens))
+                      policy)
 
 
 def make_proposer(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int, ngram_class: type = NgramProposer,

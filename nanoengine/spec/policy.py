@@ -28,6 +28,8 @@ one stream little, at 32 streams (compute-bound) nearly a whole step, and drafti
 steps have shown two different row counts, c is the prior `VERIFY_ROW_COST` (scaled the same way). Only
 greedy sequences use the measured c: drafts change which draws a sampled sequence makes, and timings differ
 from run to run, so a sampled sequence drafts by the prior and its tokens alone, and a seed reproduces it.
+A greedy run's tokens never depend on c (verification is exact), but its schedule does: speculative_config's
+`row_cost` fixes c (`measure=False`) where the schedule must be the same every run (the capstone, tests).
 
 vLLM has no such option (its n-gram proposer drafts k whenever a suffix matches); here it is on by default and
 `Speculator(policy=None)` turns it off (every decoding sequence asks for k drafts at every step: the benchmark
@@ -78,11 +80,14 @@ class StepCost:
     decode-only steps (`observe`), and what one more row costs a sequence in units of its share of a step
     (`row_cost`, c in the module docstring)."""
 
-    def __init__(self, prior: float = VERIFY_ROW_COST) -> None:
-        self.prior = prior  # c at one stream until the fit can say
+    def __init__(self, prior: float = VERIFY_ROW_COST, measure: bool = True) -> None:
+        self.prior = prior  # c at one stream until the fit can say (always, when not measuring)
+        self.measure = measure  # False: `observe` ignores the steps (speculative_config row_cost fixed)
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0  # decayed weight and sums
 
     def observe(self, rows: int, seconds: float) -> None:
+        if not self.measure:
+            return
         d = STEP_COST_DECAY
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
@@ -132,10 +137,10 @@ class SeqAcceptance:
 class AdaptiveK:
     """Per sequence: the drafts to ask for at this step (`choose`), from its verifications (`observe`)."""
 
-    def __init__(self, max_k: int, cost: float = VERIFY_ROW_COST) -> None:
+    def __init__(self, max_k: int, cost: float = VERIFY_ROW_COST, measure: bool = True) -> None:
         self.max_k = max_k
         self.cost = cost  # c when `choose` is given none
-        self.step_cost = StepCost(cost)  # c as the engine measures it (the Speculator asks it per step)
+        self.step_cost = StepCost(cost, measure)  # c as measured (the Speculator asks it per step)
         self._best = {}  # memo of best_k by rounded rate and cost
         self.states: dict[int, SeqAcceptance] = {}
 
