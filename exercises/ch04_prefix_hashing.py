@@ -117,6 +117,7 @@ def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, i
     - the blocks a sequence fills this step are in the cache before the next one is admitted
       (bm.cache_full_blocks), so an identical prompt in the same step shares them.
     Return [(seq, num_new_tokens)] for the admitted sequences, in order; leave seq.num_computed_tokens at
-    the step's start (the engine adds num_new_tokens after the forward pass).
+    the step's start, as `Scheduler.pick()` does. (`Scheduler.schedule()` then commits the step before the
+    forward pass: the new tokens count as computed from then on, and a step that fails is rolled back.)
     """
     raise NotImplementedError("Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does - see book/04_prefix_hashing.ipynb")

@@ -54,9 +54,12 @@ def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out
 
 
 def schedule(sched: Scheduler) -> SchedulerOutput:
-    """Exercise 5.2: one scheduling step; the same decisions as `Scheduler.schedule`.
+    """Exercise 5.2: one scheduling step; the same decisions as `Scheduler.pick`.
 
-    The rules a step obeys (the tests compare its output and the state it leaves with the engine's):
+    `Scheduler.pick()` is the half of `Scheduler.schedule()` that chooses the batch; `schedule()` then commits
+    it (the tokens count as computed). Yours chooses and does not commit: after it, each sequence's
+    num_computed_tokens is still where its step starts. The rules a step obeys (the tests compare its output
+    and the state it leaves with `pick`'s):
 
     - Budget: the step computes at most `sched.max_num_batched_tokens` tokens in all. A scheduled sequence
       computes as many of its not-yet-computed tokens as the budget still allows (a decode: 1; a prompt: the

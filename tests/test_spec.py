@@ -29,7 +29,14 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer
-from nanoengine.spec.policy import MAX_PROBE_INTERVAL, PROBE_INTERVAL, AdaptiveK, StepCost, best_k
+from nanoengine.spec.policy import (
+    MAX_PROBE_INTERVAL,
+    PROBE_INTERVAL,
+    VERIFY_ROW_COST,
+    AdaptiveK,
+    StepCost,
+    best_k,
+)
 from nanoengine.spec.verify import accepted_tokens, rejection_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "exercises"))
@@ -37,7 +44,7 @@ from ex_helpers import CHI2_P001, chi_square  # noqa: E402  (the exercises' stat
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 # the drafts' cost fixed: measured, which steps draft would depend on each step's timing (not the tokens)
-FIXED_NGRAM = {**NGRAM, "row_cost": 0.15}
+FIXED_NGRAM = {**NGRAM, "row_cost": VERIFY_ROW_COST}
 
 
 # ---------------------------------------------------------------- proposer, acceptance, options
@@ -112,7 +119,8 @@ def test_speculative_config_errors_name_the_problem(bad, message):
 def test_speculative_config_accepts_json_and_refuses_overlap():
     spec = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config  # as the command line has it
     assert spec == SpeculativeConfig("ngram", 4) and spec.row_cost == "measured"
-    assert EngineConfig(speculative_config=json.dumps(FIXED_NGRAM)).speculative_config.row_cost == 0.15
+    fixed = EngineConfig(speculative_config=json.dumps(FIXED_NGRAM)).speculative_config
+    assert fixed.row_cost == VERIFY_ROW_COST
     with pytest.raises(InvalidValueError, match="does not overlap steps"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(InvalidValueError, match="trace=True with speculative_config is not supported yet"):

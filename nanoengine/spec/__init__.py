@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoengine.errors import InvalidValueError
 from nanoengine.spec.ngram import NgramProposer, Proposer
-from nanoengine.spec.policy import AdaptiveK
+from nanoengine.spec.policy import VERIFY_ROW_COST, AdaptiveK
 from nanoengine.spec.verify import SpecCounts, accepted_tokens
 
 if TYPE_CHECKING:
@@ -113,9 +113,9 @@ def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
     (policy.py: on by default, as there is no cost to it where drafts pay)."""
     if spec is None:
         return None
-    measured = spec.row_cost == "measured"
-    policy = AdaptiveK(spec.num_speculative_tokens, measure=measured) if measured else \
-        AdaptiveK(spec.num_speculative_tokens, float(spec.row_cost), measure=False)
+    measured = spec.row_cost == "measured"  # else fixed: the prior, never refit
+    policy = AdaptiveK(spec.num_speculative_tokens, VERIFY_ROW_COST if measured else float(spec.row_cost),
+                       measure=measured)
     return Speculator(make_proposer(spec, plan, tokenizer, num_kv_blocks, ngram_class, build_engine), accept,
                       policy)
 
