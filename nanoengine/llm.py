@@ -72,19 +72,19 @@ class LLM:
         engine = self.engine
         # check every request before queueing any, so one bad prompt leaves nothing half-added
         requests = [engine.make_request(p, sp, final_only=True) for p, sp in zip(prompts, params)]
-        if self.plan.trace:
-            self.trace = engine.start_trace()
-        for r in requests:
-            engine.add(r)
-        engine.clear_stats()
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
-        t0 = time.perf_counter()
         steps = 0
-        try:
+        try:  # (a failure while adding them, too, leaves none of them queued)
+            if self.plan.trace:
+                self.trace = engine.start_trace()
+            for r in requests:
+                engine.add(r)
+            engine.clear_stats()
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+            t0 = time.perf_counter()
             while any(not r.finished for r in requests):
                 steps += engine.step().stats is not None
                 if bar is not None:
@@ -93,12 +93,13 @@ class LLM:
                         bar.update(done - bar.n)
             seconds = time.perf_counter() - t0
             outputs = [r.output() for r in requests]
-        finally:  # let the engine forget these requests; after Ctrl-C this also aborts the unfinished ones
-            for r in requests:
-                engine.abort(r.request_id)
-            steps += engine.drain().stats is not None  # a step launched before they finished (overlap)
+        except BaseException as error:
+            self._let_go(requests, error)  # after Ctrl-C this also aborts the unfinished ones
+            raise
+        finally:
             if bar is not None:
                 bar.close()
+        steps += self._let_go(requests)  # the engine forgets them
         n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         n_in = sum(len(o.prompt_token_ids) for o in outputs)
         self.last_run_stats = {"num_requests": len(outputs), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -108,6 +109,21 @@ class LLM:
         if self.trace is not None:
             engine.stop_trace()
         return outputs
+
+    def _let_go(self, requests: list, error: BaseException | None = None) -> int:
+        """Abort `requests` (finished ones just let go) and finish a step still in flight (overlap), so the
+        engine is idle; returns the steps that finished. `error`: the one propagating meanwhile, which stays
+        the one raised (an error here is noted on it)."""
+        engine = self.engine
+        try:
+            for r in requests:
+                engine.abort(r.request_id)
+            return int(engine.drain().stats is not None)  # a step launched before they finished
+        except BaseException as e:
+            if error is None:
+                raise
+            error.add_note(f"nanoengine: letting go of the requests failed too: {type(e).__name__}: {e}")
+            return 0
 
     def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -129,15 +145,16 @@ class LLM:
         """Yield the completion's text deltas as they are produced (first completion when n > 1)."""
         engine = self.engine
         req = engine.make_request(prompt, sampling_params)
-        engine.add(req)
         try:
+            engine.add(req)
             while not req.finished:
                 for r, i, delta in engine.step().deltas:
                     if r is req and i == 0:
                         yield delta
-        finally:
-            engine.abort(req.request_id)
-            engine.drain()
+        except BaseException as error:  # (GeneratorExit too: the caller stopped reading)
+            self._let_go([req], error)
+            raise
+        self._let_go([req])
 
     def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                     chat_template_kwargs: dict | None = None) -> Iterator[str]:

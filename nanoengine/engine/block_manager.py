@@ -59,6 +59,9 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         # least-recently-freed first; allocation pops from the front
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # while a step is being scheduled: the blocks it hashes before their K/V exist (`forget_hashes` drops
+        # them if the step never runs); None otherwise
+        self.hashed_now: list[int] | None = None
 
     # ------------------------------------------------------------------ hashing
     @staticmethod
@@ -168,8 +171,9 @@ class BlockManager:
         `num_computed_tokens` (default: seq.num_computed_tokens) may count the tokens this step is about to
         compute: the scheduler registers blocks as soon as they are scheduled, so a request admitted later in
         the same step already hits them. That is safe because every attention layer stores the whole batch's
-        K/V before any sequence attends. A block holding a pending token (sampled by a step still in flight)
-        waits: its hash needs the token's id.
+        K/V before any sequence attends, and because a step that fails takes them out again (`hashed_now`
+        records them while a step is scheduled; `forget_hashes`). A block holding a pending token (sampled by
+        a step still in flight) waits: its hash needs the token's id.
         """
         if not self.enable_prefix_caching:
             return
@@ -189,6 +193,17 @@ class BlockManager:
             block.token_ids = seq.block_tokens(i)
             # if another block already holds this prefix, keep that mapping (this one stays a private copy)
             self.hash_to_block_id.setdefault(h, block.block_id)
+            if self.hashed_now is not None:
+                self.hashed_now.append(block.block_id)
+
+    def forget_hashes(self, block_ids: Iterable[int]) -> None:
+        """Take blocks out of the prefix cache: a step that hashed them when it was scheduled failed, so their
+        K/V were never written (they stay in their tables, and are hashed again once computed)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, []
 
     def chain_hashes(self, seq: Sequence, start: int, stop: int, prefix_hash: int | None) -> list[int]:
         """The chained hashes of seq's full blocks start..stop-1, given the hash of block start-1 (what

@@ -43,9 +43,9 @@ from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.layers.tp_group import SINGLE
 
 if TYPE_CHECKING:
+    from nanoengine.engine.logits_masks import LogitsMask
     from nanoengine.engine.parts import EngineParts
     from nanoengine.plan import EnginePlan
-    from nanoengine.structured import TokenMask
 
 
 def call_on(runner: ModelRunner, method: str | Callable, args: tuple) -> Any:
@@ -136,11 +136,11 @@ class Executor(ABC):
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
     def launch(self, model_input: ModelInput, sampling: SamplingBatch,
-               logprobs: lp.LogprobsWanted | None = None, mask: TokenMask | None = None) -> ForwardOutput:
+               logprobs: lp.LogprobsWanted | None = None, mask: LogitsMask | None = None) -> ForwardOutput:
         """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
         without waiting where the device or the thread allows; its `tokens()` waits for them. `logprobs`: the
-        logprobs a request in the step asked for, reduced beside the draw. `mask`: the grammars' token mask
-        of structured outputs (nanoengine/structured.py), None for none."""
+        logprobs a request in the step asked for, reduced beside the draw. `mask`: the step's logits masks
+        (structured outputs' grammars, min_tokens: nanoengine/engine/logits_masks.py), None for none."""
         out = ForwardOutput(model_input)
         if self.thread is not None:
             out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, logprobs, mask)
@@ -150,7 +150,7 @@ class Executor(ABC):
 
     @torch.inference_mode()
     def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput,
-                     logprobs: lp.LogprobsWanted | None = None, mask: TokenMask | None = None) -> None:
+                     logprobs: lp.LogprobsWanted | None = None, mask: LogitsMask | None = None) -> None:
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
         prompt = None
@@ -160,7 +160,7 @@ class Executor(ABC):
         if logits is None or not len(logits):
             self.last_tokens = sampled = None
         else:
-            # structured outputs: the sampler draws from the grammar-masked logits, a copy (`logits` stay raw;
+            # logits masks (grammars, min_tokens): the sampler draws from a masked copy (`logits` stay raw;
             # processed logprobs are of the distribution drawn from, so masked too)
             drawn_from = logits if mask is None else mask.apply(logits)  # [num_sampled, V]
             self.last_tokens = self.sampler(drawn_from, sampling)  # [num_sampled]

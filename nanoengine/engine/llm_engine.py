@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from nanoengine.config import EngineConfig
-from nanoengine.engine import pending
 from nanoengine.engine.executor import Executor
 from nanoengine.engine.inputs import InputBuilder
+from nanoengine.engine.interrupts import held_interrupts
+from nanoengine.engine.logits_masks import chain, min_tokens_mask
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Completion, Request, check_token_ids, parse_prompt
 from nanoengine.engine.sampling import SamplingBatcher
@@ -81,6 +82,7 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0  # steps finished
         self.in_flight: LaunchedStep | None = None  # the step launched and not yet finished (overlap)
+        self.deferred_error: BaseException | None = None  # for the next step() to raise (see step)
         self.trace: RunTrace | None = None
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run (clear_stats)
@@ -151,8 +153,9 @@ class LLMEngine:
             self.speculator.close()
 
     def has_unfinished(self) -> bool:
-        """Sequences to run, or a step in flight to finish."""
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        """Sequences to run, a step in flight to finish, or an error to raise."""
+        return (self.scheduler.has_unfinished() or self.in_flight is not None
+                or self.deferred_error is not None)
 
     def start_trace(self) -> RunTrace:
         """Record a StepTrace of every step from now on, into the RunTrace returned (`stop_trace` ends it)."""
@@ -179,23 +182,43 @@ class LLMEngine:
         Without overlap the step launched is the one finished. With `async_scheduling` a call launches step
         N+1 and then finishes step N, whose forward ran meanwhile: the host's work for one hides behind the
         device's for the other (chapter 06); the first call finishes none. A step in flight that sampled a
-        sequence with structured outputs is finished first: the next step's grammar mask needs its tokens."""
+        sequence with structured outputs is finished first: the next step's grammar mask needs its tokens. If
+        the step after it then fails, the finished step's result is returned and the error raised by the next
+        call (or by `drain`): nothing that was done is lost. A failed step is undone (`forget_steps`)."""
+        if self.deferred_error is not None:  # raised after the step before it, whose result came first
+            error, self.deferred_error = self.deferred_error, None
+            raise error
         first = None
         if self.in_flight is not None and self.structured.samples_grammar(self.in_flight.scheduled.sampled):
             first = self.drain()  # its result is this call's (the step launched below stays in flight)
+        try:
+            result = self.schedule_and_run()
+        except BaseException as error:
+            if first is None:
+                raise
+            # nothing the drained step finished is lost: its result now, the error at the next call
+            self.deferred_error = error  # (has_unfinished says there is one)
+            return first
+        return result if first is None else first
+
+    def schedule_and_run(self) -> StepResult:
+        """Schedule a step and launch it, then finish the step due (itself, or with overlap the one before).
+        If anything raises, the committed steps not yet finished are undone (`forget_steps`)."""
         unfinished = [self.in_flight.scheduled] if self.in_flight is not None else []
         started = time.perf_counter()
-        out = self.scheduler.schedule()  # before the forward: the batch, committed
         try:
+            with held_interrupts():
+                out = self.scheduler.schedule()  # before the forward: the batch, committed
+            unfinished.append(out)
             launched = self.launch(out, started)  # its inputs laid out; the forward and the draw started
             if self.plan.async_scheduling and not launched.is_empty:
                 done, self.in_flight = self.in_flight, launched  # it runs while the step before finishes
             else:
                 done, self.in_flight = self.in_flight or launched, None
-            result = self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
-            return result if first is None else first
+            return self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
         except BaseException:
-            self.forget_steps([out, *unfinished])
+            with held_interrupts():  # (a second Ctrl-C waits until the step is undone)
+                self.forget_steps([o for o in unfinished if not o.updated])
             raise
 
     def launch(self, out: SchedulerOutput, started: float | None = None) -> LaunchedStep:
@@ -215,6 +238,9 @@ class LLMEngine:
                 wanted.prompt_targets = torch.tensor(self.inputs.last_prompt_targets)  # [P]
                 wanted.prompt_k = max(r.seq.sampling_params.prompt_logprobs for r in prompt_rows)
         mask = self.structured.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
+        if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
+            mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
+                                               self.plan.hf_config.vocab_size, mask))
         built = time.perf_counter()
         forward = self.executor.launch(inp, sampling, wanted, mask)
         return LaunchedStep(out, forward, StepTimes(started, scheduled, built, time.perf_counter()),
@@ -227,17 +253,19 @@ class LLMEngine:
         if step is None:
             return StepResult()
         t_wait = time.perf_counter()
-        tokens = step.forward.tokens() if step.forward is not None else []
+        tokens = step.forward.tokens() if step.forward is not None else []  # (where Ctrl-C usually lands)
         t_known = time.perf_counter()
-        update = self.scheduler.update(step.scheduled, tokens)
-        self.structured.advance(update.appended)  # the grammars' matchers take the tokens put in place
-        if step.forward is not None:
-            self.add_logprobs(step, update)
-        t_updated = time.perf_counter()
-        deltas = self.detokenize(update, t_known)
-        t_end = time.perf_counter()
-        finished = self.note_times(step, update, t_end)
-        stats = self.record(step, update, t_wait, t_known, t_updated, t_end)
+        with held_interrupts():  # the books are written whole
+            update = self.scheduler.update(step.scheduled, tokens)
+            step.scheduled.updated = True  # from here on the step is done: a later error does not undo it
+            self.structured.advance(update.appended)  # the grammars' matchers take the tokens put in place
+            if step.forward is not None:
+                self.add_logprobs(step, update)
+            t_updated = time.perf_counter()
+            deltas = self.detokenize(update, t_known)
+            t_end = time.perf_counter()
+            finished = self.note_times(step, update, t_end)
+            stats = self.record(step, update, t_wait, t_known, t_updated, t_end)
         return StepResult(deltas, update.appended, finished, stats)
 
     def add_logprobs(self, step: LaunchedStep, update: StepUpdate) -> None:
@@ -326,15 +354,21 @@ class LLMEngine:
         (nanoengine/engine/pending.py), so the engine can step again."""
         self.in_flight = None
         self.executor.settle()
-        pending.forget(steps)
+        self.scheduler.forget(steps)
 
     def drain(self) -> StepResult:
-        """Finish the step in flight, if any (overlap scheduling), so the engine is idle."""
+        """Finish the step in flight, if any (overlap scheduling), so the engine is idle; an error that a step
+        deferred is raised here, if no step raised it since."""
+        if self.deferred_error is not None:
+            error, self.deferred_error = self.deferred_error, None
+            raise error
         step, self.in_flight = self.in_flight, None
         try:
             return self.finish(step)
         except BaseException:
-            self.forget_steps([step.scheduled])
+            if step is not None and not step.scheduled.updated:
+                with held_interrupts():
+                    self.forget_steps([step.scheduled])
             raise
 
     def note_times(self, step: LaunchedStep, update: StepUpdate, now: float) -> list[Request]:

@@ -14,7 +14,8 @@ for it hides behind the device's work for this one. The rules, in the order a to
    of the tokens the step before sampled (the input builder writes it) ...
 4. `read_pending_ids`: ... which the model runner reads from those tokens on the device (no host sync).
 5. `forget`: after a step failed, the steps committed and never finished are undone: their pending tokens
-   are dropped and their sequences compute again from where those steps started.
+   are dropped and their sequences compute again from where those steps started (`Scheduler.forget` also
+   takes their blocks out of the prefix cache and sends the sequences they admitted back to waiting).
 A sequence that finishes drops its pending tokens (`Scheduler._finish`): steps in flight sampled past its end.
 mini-sglang reads the next input ids from a per-request token pool on the device instead of a row of the last
 step's tokens; the host side is the same (a count, no placeholder ids in host lists).

@@ -171,5 +171,5 @@ class Request:
         self.metrics.num_output_tokens = first.num_completion_tokens
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output() for c in self.completions], self.finished, self.metrics,
-                             first.num_cached_tokens,
+                             first.num_prompt_cached_tokens or 0,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs))

@@ -56,6 +56,7 @@ class SamplingBatcher:
             generators=gens, all_greedy=all(p.greedy for p in params),
             any_greedy=any(p.greedy for p in params),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            any_min_tokens=any(p.min_tokens for p in params),
         )
 
     def release(self, seq: Sequence) -> None:

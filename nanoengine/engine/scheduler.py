@@ -23,6 +23,8 @@ The scheduler is called twice per step, as in vLLM v1:
   speculation, the drafts the model's tokens keep and its own next token), caches the blocks they complete,
   applies the stop rules token by token, frees finished sequences' blocks and rolls back the blocks only
   rejected drafts wrote.
+If a step fails (an error in the forward, Ctrl-C), `forget(steps)` undoes what committing it did, the
+prefix-cache entries of blocks it would have written included, so nothing the step never computed is reused.
 
 With a speculator (speculative decoding, chapter 09) a decoding sequence gets drafts and is scheduled with
 1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room it
@@ -78,6 +80,11 @@ class SchedulerOutput:
     sampled: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     step: int = 0
+    # also set when it is committed, for `Scheduler.forget`: the sequences it admitted (waiting before it)
+    # and the blocks it put in the prefix cache before their K/V exist
+    admitted: list[Sequence] = field(default_factory=list)
+    blocks_hashed: list[int] = field(default_factory=list)
+    updated: bool = False  # its tokens are in place (the engine's finish): it can no longer be undone
 
 
 @dataclass
@@ -151,12 +158,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's batch (`pick`), committed: its tokens count as computed, and each sequence it brings to
         its end holds the place of the token it samples."""
-        out = self.pick()
+        bm = self.block_manager
+        running = {seq.seq_id for seq in self.running}
+        bm.hashed_now = hashed = []
+        try:
+            out = self.pick()
+        finally:
+            bm.hashed_now = None
+        out.blocks_hashed = hashed
         out.step = self.num_steps
         self.num_steps += 1
         sampled, prefill = out.sampled, 0
         for s in out.scheduled:
             seq = s.seq
+            if seq.seq_id not in running:
+                out.admitted.append(seq)
+                if seq.num_prompt_cached_tokens is None:  # its first admission (what outputs report)
+                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
             # (drafts count as computed once they are kept: update)
             seq.num_computed_tokens = computed = s.start + s.num_new_tokens - len(seq.spec_token_ids)
             if computed == len(seq.token_ids) + seq.num_pending_tokens:  # it reaches its end
@@ -288,6 +306,35 @@ class Scheduler:
             return {}
         return {seq.seq_id: d for seq, d in zip(seqs, self.speculator.propose_many(seqs, limits)) if d}
 
+    def forget(self, steps: list[SchedulerOutput]) -> None:
+        """After a failed (or interrupted) step: the committed steps that never finished (in order) are
+        undone, as if they had never been scheduled. Blocks they put in the prefix cache lose their hashes
+        (their K/V were never written), the sequences they admitted go back to the front of the waiting queue
+        with no blocks, and the others drop their pending tokens and drafts and compute again from where the
+        first of those steps started (nanoengine/engine/pending.py). Their preempted sequences stay
+        preempted: their blocks were written, and recomputing them gives the same tokens."""
+        if not steps:
+            return
+        bm = self.block_manager
+        for out in steps:
+            bm.forget_hashes(out.blocks_hashed)
+        pending.forget(steps)
+        admitted = {seq.seq_id: seq for out in steps for seq in out.admitted}
+        for seq in reversed(admitted.values()):  # the first admitted ends up first in the queue
+            if seq.is_finished:  # aborted meanwhile: its blocks are free already
+                continue
+            bm.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            if not seq.num_preemptions:  # this was its first admission
+                seq.num_prompt_cached_tokens = None
+            seq.status = SequenceStatus.WAITING
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:  # preempted by the step after
+                self.waiting.remove(seq)
+            self.waiting.appendleft(seq)
+        self.num_steps = min(out.step for out in steps)
+
     def _preempt(self, seq: Sequence) -> list[int]:
         """Free all of seq's blocks and send it to the front of the waiting queue (recomputed later)."""
         freed = self.block_manager.free(seq)
@@ -352,15 +399,16 @@ class Scheduler:
 
     def stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, the stop token id that caused it) after `token` was appended;
-        (None, None) = go on."""
+        (None, None) = go on. A stop id is never drawn before `min_tokens`, as in vLLM (the step's logits mask
+        holds it back: nanoengine/engine/logits_masks.py), but for a grammar that can only end there: so one
+        that comes stops."""
         sp = seq.sampling_params
         known = len(seq.token_ids)
         completion = known - seq.num_prompt_tokens
-        if completion > sp.min_tokens:
-            if token in sp.stop_token_ids:
-                return "stop", token
-            if not sp.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
+        if token in sp.stop_token_ids:
+            return "stop", token
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
         if sp.max_tokens is not None and completion >= sp.max_tokens:
             return "length", None
         if known >= self._max_len:

@@ -44,6 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
+        self.num_prompt_cached_tokens: int | None = None  # ... at the first (what outputs report, as vLLM)
         self.block_table: list[int] = []
         # the chained prefix-cache hashes of its leading full blocks of known tokens, computed once (by
         # BlockManager.hashes_of) and extended as it grows: a waiting sequence tried at every step hashes

@@ -27,6 +27,7 @@ class SamplingBatch:
     all_greedy: bool
     any_greedy: bool = True  # some row is greedy (known on the host: asking the device would sync)
     num_logprobs: int | None = None  # the most top logprobs a row asked for (None: no row asked; logprobs.py)
+    any_min_tokens: bool = False  # some row's request has min_tokens (its stop ids may be held back)
 
     def __post_init__(self) -> None:
         # what every step that reuses this batch needs, made once: the rows with their own generator, and the
