@@ -130,6 +130,36 @@ def test_an_engine_that_goes_on_after_a_failed_step_finishes_its_requests_as_a_f
     assert_same(results([r.output() for r in requests]), fresh(options))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_seeded_request_draws_the_same_tokens_after_a_failed_step(overlap):
+    """The failed step's draws are put back: its seeded generator is as before the step."""
+    options = {**OPTIONS, "async_scheduling": overlap}
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    want = LLM("smollm2-135m", **options).generate(TEXTS[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("smollm2-135m", **options)
+    engine, fired = llm.engine, []
+    sampler = engine.executor.sampler
+
+    def draw_then_fail(logits, batch):  # the step fails after its draw (e.g. Ctrl-C right after it)
+        tokens = sampler(logits, batch)
+        if not fired and len(calls) == 6:
+            fired.append(1)
+            raise RuntimeError("after the draw")
+        return tokens
+
+    calls = []
+    real_run = engine.executor.run_step
+    engine.executor.run_step = lambda *a: (calls.append(1), real_run(*a))[1]
+    engine.executor.sampler = draw_then_fail
+    request = engine.requests[engine.add_request(TEXTS[0], seeded)]
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError:
+            pass
+    assert fired and request.output().outputs[0].token_ids == want
+
+
 def test_the_failed_steps_blocks_are_no_prefix_hits():
     """The minimal case: the first forward raises; the prefix cache holds nothing it would have written."""
     llm = LLM("smollm2-135m", **OPTIONS)

@@ -71,6 +71,13 @@ class ForwardOutput:
         # the step's logprobs, when a request asked (layers/logprobs.py): its sampled rows', its prompt rows'
         self.sampled_logprobs: lp.RowLogprobs | None = None
         self.prompt_logprobs: lp.RowLogprobs | None = None
+        # seeded rows' generators as they were before the draw, to put back if the step is undone
+        self.generator_states: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def undo_draws(self) -> None:
+        """Put the seeded generators back as they were before this step drew (the step failed)."""
+        for generator, state in self.generator_states:
+            generator.set_state(state)
 
     def set(self, tokens: torch.Tensor | None, span: tuple[float, float] | None,
             sampled_logprobs: lp.RowLogprobs | None = None,
@@ -145,7 +152,11 @@ class Executor(ABC):
         if self.thread is not None:
             out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, logprobs, mask)
         else:
-            self.run_and_draw(model_input, sampling, out, logprobs, mask)
+            try:
+                self.run_and_draw(model_input, sampling, out, logprobs, mask)
+            except BaseException:
+                out.undo_draws()  # (the caller never sees this output: put its draws back here)
+                raise
         return out
 
     @torch.inference_mode()
@@ -163,6 +174,7 @@ class Executor(ABC):
             # logits masks (grammars, min_tokens): the sampler draws from a masked copy (`logits` stay raw;
             # processed logprobs are of the distribution drawn from, so masked too)
             drawn_from = logits if mask is None else mask.apply(logits)  # [num_sampled, V]
+            out.generator_states = [(g, g.get_state()) for _, g in sampling.seeded]
             self.last_tokens = self.sampler(drawn_from, sampling)  # [num_sampled]
             if logprobs is not None and logprobs.sampled_k is not None:
                 of = drawn_from if logprobs.mode == lp.PROCESSED else logits

@@ -204,13 +204,13 @@ class LLMEngine:
     def schedule_and_run(self) -> StepResult:
         """Schedule a step and launch it, then finish the step due (itself, or with overlap the one before).
         If anything raises, the committed steps not yet finished are undone (`forget_steps`)."""
-        unfinished = [self.in_flight.scheduled] if self.in_flight is not None else []
+        unfinished = [self.in_flight] if self.in_flight is not None else []
         started = time.perf_counter()
         try:
             with held_interrupts():
                 out = self.scheduler.schedule()  # before the forward: the batch, committed
-            unfinished.append(out)
-            launched = self.launch(out, started)  # its inputs laid out; the forward and the draw started
+            unfinished.append(LaunchedStep(out, None, None))  # undone as it stands if the launch fails
+            unfinished[-1] = launched = self.launch(out, started)  # inputs laid out; forward and draw started
             if self.plan.async_scheduling and not launched.is_empty:
                 done, self.in_flight = self.in_flight, launched  # it runs while the step before finishes
             else:
@@ -218,7 +218,7 @@ class LLMEngine:
             return self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
         except BaseException:
             with held_interrupts():  # (a second Ctrl-C waits until the step is undone)
-                self.forget_steps([o for o in unfinished if not o.updated])
+                self.forget_steps([step for step in unfinished if not step.scheduled.updated])
             raise
 
     def launch(self, out: SchedulerOutput, started: float | None = None) -> LaunchedStep:
@@ -348,13 +348,17 @@ class LLMEngine:
         self.step_count += 1
         return stats
 
-    def forget_steps(self, steps: list[SchedulerOutput]) -> None:
-        """After a step failed (or was interrupted): as if the committed, unfinished steps never ran. The
-        executor's thread finishes what it holds and the tokens they sampled are dropped
-        (nanoengine/engine/pending.py), so the engine can step again."""
+    def forget_steps(self, steps: list[LaunchedStep]) -> None:
+        """After a step failed (or was interrupted): as if the committed, unfinished steps (in order) never
+        ran. The executor's thread finishes what it holds, the seeded generators are put back as they were
+        before the first of them drew, and the scheduler undoes their commits (`Scheduler.forget`: pending
+        tokens, the prefix cache, admissions), so the engine can step again."""
         self.in_flight = None
         self.executor.settle()
-        self.scheduler.forget(steps)
+        for step in reversed(steps):  # the first step's states are put back last
+            if step.forward is not None:
+                step.forward.undo_draws()
+        self.scheduler.forget([step.scheduled for step in steps])
 
     def drain(self) -> StepResult:
         """Finish the step in flight, if any (overlap scheduling), so the engine is idle; an error that a step
@@ -368,7 +372,7 @@ class LLMEngine:
         except BaseException:
             if step is not None and not step.scheduled.updated:
                 with held_interrupts():
-                    self.forget_steps([step.scheduled])
+                    self.forget_steps([step])
             raise
 
     def note_times(self, step: LaunchedStep, update: StepUpdate, now: float) -> list[Request]:
