@@ -45,6 +45,13 @@ def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine
     chosen = pieces.selected(config.use_exercises, config.exercises_dir)  # the use_exercises() default here
     launch = launcher.launched()  # torchrun's ranks: every one runs this
     plan = resolve_plan(config, hf_config, model_path, chosen, launch)
+    if plan.attention_backend == "cpu" and config.attention_backend == "auto":
+        from nanoengine.kernels import cpu as cpu_kernels
+
+        try:  # the plan never compiles: built here if `make assets` did not build them
+            cpu_kernels.load()
+        except cpu_kernels.KernelBuildError:  # remembered now, so the plan picks torch's ops
+            plan = resolve_plan(config, hf_config, model_path, chosen, launch)
     if launch is not None and launch.rank != 0:
         serve_launched_rank(plan, launch)  # serves rank 0's steps; exits the process when it closes
     tokenizer = load_tokenizer(model_path)

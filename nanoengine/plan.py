@@ -417,7 +417,7 @@ def check_quantization(quantization: str | None, device: str) -> None:
     problem = cpu_kernels.build_problem()
     if problem:
         raise InvalidValueError(f"EngineConfig: quantization={quantization!r} needs the C++ CPU kernels, "
-                                f"which cannot be built here ({problem}); install a C++ compiler or leave "
+                                f"which cannot be built here ({problem}); {cpu_kernels.FIX}; or leave "
                                 "quantization=None")
 
 
@@ -488,9 +488,8 @@ def pick_cpu_kernels(want: str) -> str:
         return "cpu"
     if want == "cpu":
         raise InvalidValueError(f"EngineConfig: attention_backend='cpu' cannot be built here ({problem}); "
-                                "install a C++ compiler or use attention_backend='torch'")
-    warnings.warn(f"nanoengine: the CPU kernels cannot be built here ({problem}); using the slower torch "
-                  "backend. Install a C++ compiler (e.g. build-essential) to get them.", stacklevel=5)
+                                f"{cpu_kernels.FIX}; or use attention_backend='torch'")
+    warnings.warn(cpu_kernels.fallback_line(problem), stacklevel=5)  # one line: why, and how to get them
     return "torch"
 
 

@@ -7,7 +7,8 @@
 
 The engine picks the model's kernels once (`for_plan`) and passes them to the model when it is built:
 RMSNorm, rotary and the MLP take them in their constructors, so no module is patched after construction.
-`python -m nanoengine.kernels` builds them now (`make assets` does).
+`python -m nanoengine.kernels` builds them now (`make assets` does); where the C++ kernels cannot be built,
+`cpu.build_problem()` says why and the plan runs on torch's ops instead.
 """
 
 from __future__ import annotations
