@@ -114,6 +114,12 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoengine.parsers import ParserOptions  # (no torch)
+
+    parsers = ParserOptions(args.reasoning_parser, args.enable_auto_tool_choice, args.tool_call_parser)
+    if args.data_parallel_size > 1 and parsers != ParserOptions():
+        raise ValueError("--reasoning-parser and --tool-call-parser are not passed to data-parallel replicas "
+                         "yet; serve with --data-parallel-size 1, or leave them out")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size == 1 and (args.router is not None or args.router_max_in_flight is not None):
@@ -142,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
                  engine_options=engine_options(args), api_key=args.api_key,
-                 protect_metrics=args.protect_metrics, limits=server_limits(args))
+                 protect_metrics=args.protect_metrics, limits=server_limits(args), parsers=parsers)
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
     # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
@@ -206,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="every /v1 request must send 'Authorization: Bearer KEY' (default: "
                         "$NANOENGINE_API_KEY; none: open to whoever reaches the port)")
     s.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a chat's thinking into reasoning_content (qwen3, deepseek_r1: "
+                        "<think>...</think>)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='read the tool calls of tool_choice "auto" chats (with --tool-call-parser)')
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen3's)")
     add_limit_flags(s)
     s.add_argument("--shutdown-grace", type=float, default=2.0,
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted")

@@ -17,7 +17,7 @@ from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.launch import build_engine
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.tokenizer import apply_chat_template
+from nanoengine.tokenizer import encode_text
 
 
 class LLM:
@@ -125,7 +125,8 @@ class LLM:
             error.add_note(f"nanoengine: letting go of the requests failed too: {type(e).__name__}: {e}")
             return 0
 
-    def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None) -> list[dict]:
+    def _chat_prompts(self, messages: Any, chat_template_kwargs: dict | None,
+                      tools: list[dict] | None = None) -> list[dict]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidTypeError("chat takes a conversation (a non-empty list of {'role', 'content'} "
                                    f"dicts) or a list of conversations; got {messages!r:.80}")
@@ -133,13 +134,31 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise InvalidTypeError("chat_template_kwargs must be a dict, got "
                                    f"{type(chat_template_kwargs).__name__}")
-        return [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **(chat_template_kwargs or {}))}
-                for c in convs]
+        from nanoengine.tools import render_with_tools
+
+        texts = [render_with_tools(self.tokenizer, c, tools, **(chat_template_kwargs or {})) for c in convs]
+        return [{"prompt_token_ids": encode_text(self.tokenizer, t, "conversation", add_special_tokens=False)}
+                for t in texts]
 
     def chat(self, messages: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
-        return self.generate(self._chat_prompts(messages, chat_template_kwargs), sampling_params, use_tqdm)
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts; an agent's too: assistant messages with
+        `tool_calls`, "tool" messages with `tool_call_id`) or a list of conversations. tools: OpenAI's
+        function tools, for the template (a template without tools gets them in words: nanoengine/tools.py);
+        chat_template_kwargs: the template's arguments (e.g. {"enable_thinking": False}). The outputs are
+        vLLM's RequestOutputs; `parse_chat_outputs` reads their thinking and tool calls."""
+        return self.generate(self._chat_prompts(messages, chat_template_kwargs, tools), sampling_params,
+                             use_tqdm)
+
+    def parse_chat_outputs(self, outputs: list[RequestOutput], reasoning_parser: str | None = "qwen3",
+                           tool_parser: str | None = "hermes") -> list[list[Any]]:
+        """Each chat output's completions read by the parsers (nanoengine/parsers.py): a ParsedChat each, with
+        `reasoning_content`, `content`, `tool_calls` and `finish_reason`, and `.message()` (the assistant
+        message for the next turn), as the server's reply would have them."""
+        from nanoengine.parsers import parse_chat_output
+
+        return [parse_chat_output(o, reasoning_parser, tool_parser, self.tokenizer) for o in outputs]
 
     def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text deltas as they are produced (first completion when n > 1)."""

@@ -19,7 +19,13 @@ request asks for structured outputs. How it runs in the engine (`StructuredOutpu
 - overlap scheduling: the next mask needs this step's tokens, so the engine finishes a step that sampled a
   grammar sequence before it schedules the next (steps without one overlap as before);
 - speculative decoding: a sequence with a grammar gets no drafts (it decodes plainly;
-  Scheduler.propose_drafts).
+  Scheduler.propose_drafts);
+- a thinking model (`reasoning_tags`, e.g. Qwen3's `<think>`/`</think>`, set by the server's
+  `--reasoning-parser`): the grammar applies to the answer only, after the thinking ends (vLLM's rule). The
+  prompt's end says where the thinking stands (`_thinking`): closed (`enable_thinking=False`), open, or not
+  yet begun, when the first token may be `<think>` besides what the grammar allows; while it is open the row
+  is unmasked and the matcher is fed nothing until `</think>`.
+A `structural_tag` (xgrammar's JSON format) is how the server asks for tool calls (`nanoengine/tools.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ if TYPE_CHECKING:  # (torch only for the hints: SamplingParams and the server's 
 
     from nanoengine.engine.sequence import Sequence
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
 # whitespace characters allowed in a row between JSON elements (indent 4, three levels deep, fits): unbounded,
 # a small model can loop on whitespace until max_tokens and never close its JSON
@@ -57,12 +63,16 @@ class StructuredOutputsError(InvalidValueError):
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's class and fields): exactly one of
     `json` (a JSON schema, as a dict or as JSON text), `regex`, `choice` (a list of strings), `grammar` (EBNF,
-    xgrammar's dialect of GBNF) or `json_object=True` (any JSON object)."""
+    xgrammar's dialect of GBNF), `json_object=True` (any JSON object) or `structural_tag` (xgrammar's
+    structural tag, as a dict or JSON text). `reasoning_tags` (start, end): the model thinks between these
+    two tokens first, and the grammar applies only after the end (None: from the first token)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -83,6 +93,12 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise _bad_type("json_object", self.json_object, "True (or leave it out)")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise _bad_type("structural_tag", self.structural_tag, "a structural tag (a dict or JSON text)")
+        tags = self.reasoning_tags
+        if tags is not None and (not isinstance(tags, (tuple, list)) or len(tags) != 2
+                                 or not all(isinstance(t, str) and t for t in tags)):
+            raise _bad_type("reasoning_tags", tags, "two tokens' text: (start, end)")
 
     @property
     def kind(self) -> str:
@@ -91,15 +107,15 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """(kind, canonical spec): equal for requests that compile to the same grammar (the cache's key)."""
         kind = self.kind
-        if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
+        if kind in ("json", "structural_tag"):
+            spec = getattr(self, kind)
+            if isinstance(spec, str):
                 try:
-                    schema = json.loads(schema)
+                    spec = json.loads(spec)
                 except ValueError as e:
-                    raise StructuredOutputsError(f"structured_outputs.json is not valid JSON ({e}); pass a "
-                                                 "JSON schema") from None
-            return kind, json.dumps(schema, separators=(",", ":"))  # (key order matters: properties)
+                    raise StructuredOutputsError(f"structured_outputs.{kind} is not valid JSON ({e}); pass "
+                                                 f"a {WHAT[kind]}") from None
+            return kind, json.dumps(spec, separators=(",", ":"))  # (key order matters: properties)
         if kind == "choice":
             return kind, json.dumps(self.choice)
         if kind == "json_object":
@@ -143,6 +159,8 @@ def _compile(tokenizer_key: tuple, kind: str, spec: str) -> Any:
         return compiler.compile_regex(spec)
     if kind == "choice":
         return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(spec)
     return compiler.compile_grammar(spec)
 
 
@@ -152,7 +170,7 @@ def _library_message(e: Exception) -> str:
 
 
 WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-        "json_object": "JSON object grammar"}
+        "json_object": "JSON object grammar", "structural_tag": "structural tag"}
 
 
 # ------------------------------------------------------------------------------------------ in the engine
@@ -186,11 +204,15 @@ class StructuredOutputs:
         name = getattr(tokenizer, "name_or_path", "") or f"id {id(tokenizer)}"
         self.key = (name, len(tokenizer), vocab_size, self.stop_ids)
         self.matchers: dict[int, Any] = {}  # seq_id -> xgrammar.GrammarMatcher
+        # seq_id -> [state, start id, end id] while its thinking is not over ("maybe" or "open")
+        self.thinking: dict[int, list] = {}
 
     def compile(self, params: Any) -> Any:
         """The compiled grammar of a StructuredOutputsParams (cached); StructuredOutputsError if the library
         cannot compile it, naming the problem."""
         kind, spec = params.key()
+        if params.reasoning_tags is not None:
+            self.tag_ids(params.reasoning_tags)
         _compiler(self.key, self.tokenizer, self.vocab_size, self.stop_ids)
         try:
             return _compile(self.key, kind, spec)
@@ -205,10 +227,38 @@ class StructuredOutputs:
             import xgrammar as xgr
 
             self.matchers[seq.seq_id] = xgr.GrammarMatcher(self.compile(params))
+            if params.reasoning_tags is not None:
+                start, end = self.tag_ids(params.reasoning_tags)
+                state = self._thinking(seq.prompt_token_ids, start, end)
+                if state != "closed":
+                    self.thinking[seq.seq_id] = [state, start, end]
+
+    def tag_ids(self, tags: tuple[str, str]) -> tuple[int, int]:
+        """The token ids of the thinking's start and end; each must be one token of the vocabulary."""
+        ids = []
+        for tag in tags:
+            i = self.tokenizer.convert_tokens_to_ids(tag)
+            if not isinstance(i, int) or self.tokenizer.convert_ids_to_tokens(i) != tag:
+                raise StructuredOutputsError(f"reasoning_tags: {tag!r} is not one token of this model's "
+                                             "vocabulary, so the grammar cannot wait for it; this model does "
+                                             "not think in these tags: leave the reasoning parser out")
+            ids.append(i)
+        return ids[0], ids[1]
+
+    def _thinking(self, prompt: list[int], start: int, end: int) -> str:
+        """Where the thinking stands after the prompt: its last token that is not blank is `start`
+        ("open"), `end` ("closed"), or another ("maybe": the model may open it)."""
+        for t in reversed(prompt[-8:]):
+            if t in (start, end):
+                return "open" if t == start else "closed"
+            if self.tokenizer.decode([t]).strip():
+                break
+        return "maybe"
 
     def release(self, seq: Sequence) -> None:
         """A finished or aborted sequence drops its matcher."""
         self.matchers.pop(seq.seq_id, None)
+        self.thinking.pop(seq.seq_id, None)
 
     def samples_grammar(self, seqs: Iterable[Sequence]) -> bool:
         """Whether any of a step's sampled sequences has a matcher."""
@@ -222,11 +272,28 @@ class StructuredOutputs:
         for seq, tokens in appended:
             m = self.matchers.get(seq.seq_id)
             for t in tokens if m is not None else ():
+                if self.thinking and self._thinks(seq.seq_id, t):
+                    continue
                 if m.is_terminated():  # the grammar is done (e.g. ignore_eos): the rest is unconstrained
                     break
                 if not m.accept_token(t):
                     raise RuntimeError(f"structured outputs: sequence {seq.seq_id} got token {t}, which its "
                                        "grammar refuses (the mask was not applied to its row)")
+
+    def _thinks(self, seq_id: int, token: int) -> bool:
+        """Whether `token` belongs to the thinking (the matcher does not take it); the thinking ends at its
+        end token, or when the first token is not its start."""
+        gate = self.thinking.get(seq_id)
+        if gate is None:
+            return False
+        state, start, end = gate
+        if state == "maybe" and token != start:
+            del self.thinking[seq_id]
+            return False
+        if token == end:
+            del self.thinking[seq_id]
+        gate[0] = "open"
+        return True
 
     def mask(self, seqs: list[Sequence]) -> TokenMask | None:
         """The mask of a step whose sampled rows are `seqs` (None: no row has a grammar)."""
@@ -238,7 +305,11 @@ class StructuredOutputs:
         rows = []
         for i, s in enumerate(seqs):
             m = self.matchers.get(s.seq_id)
-            if m is not None and not m.is_terminated():
-                m.fill_next_token_bitmask(bitmask, i)
+            gate = self.thinking.get(s.seq_id)
+            if m is not None and not m.is_terminated() and (gate is None or gate[0] == "maybe"):
+                m.fill_next_token_bitmask(bitmask, i)  # (while thinking: the row is not masked)
+                if gate is not None:  # the first token: the grammar's, or the thinking's start
+                    word, bit = divmod(gate[1], 32)
+                    bitmask[i, word] = int(bitmask[i, word]) | (1 << bit) - (1 << 32 if bit == 31 else 0)
                 rows.append(i)
         return TokenMask(bitmask, rows, self.vocab_size) if rows else None

@@ -72,19 +72,27 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 def check_messages(messages: Any) -> list[dict]:
     """A conversation is a non-empty list of {"role": one of CHAT_ROLES, "content": ...} dicts, the content a
-    string or a list of text parts (OpenAI's shape); returned with each content as one string."""
+    string or a list of text parts (OpenAI's shape); returned with each content as one string. An agent's
+    turns too: an assistant message with `tool_calls` may have no content (None), and a "tool" message
+    answers one call, named by its `tool_call_id`."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidTypeError(f"a conversation is a non-empty list of messages, got {messages!r:.80}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidTypeError(f"message {i} must be a dict with 'role' and 'content', "
                                    f"got {type(m).__name__}")
-        if "role" not in m or "content" not in m:
+        calls = m.get("role") == "assistant" and m.get("tool_calls")
+        if "role" not in m or ("content" not in m and not calls):
             raise InvalidValueError(f"message {i} needs 'role' and 'content'; it has {sorted(m)}")
         if m["role"] not in CHAT_ROLES:
             raise InvalidValueError(f"message {i} has role {m['role']!r}; use one of {CHAT_ROLES}")
-        check_utf8(message_text(m["content"], i), f"content of message {i}")
-    return [{**m, "content": message_text(m["content"], i)} for m in messages]
+        if m["role"] == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise InvalidValueError(f"message {i} has role 'tool' but no 'tool_call_id'; add the id of the "
+                                    "tool call it answers")
+        if m.get("content") is not None or not calls:
+            check_utf8(message_text(m["content"], i), f"content of message {i}")
+    return [{**m, "content": "" if m.get("content") is None else message_text(m["content"], i)}
+            for m in messages]
 
 
 def message_text(content: Any, i: int) -> str:
@@ -127,13 +135,25 @@ def encode_text(tokenizer: Any, text: str, what: str = "prompt", **kwargs: Any) 
     return tokenizer.encode(text, verbose=False, **kwargs)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
+    """The conversation as the model's chat template writes it, ending with the assistant's turn; kwargs:
+    the template's arguments (`tools`, `enable_thinking`, ...)."""
     messages = check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidValueError("this model's tokenizer has no chat template; "
                                 "use generate() with plain prompts")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return encode_text(tokenizer, text, "conversation", add_special_tokens=False)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except (TypeError, TemplateError) as e:  # e.g. a message the template cannot join or refuses
+        raise InvalidValueError(f"the chat template could not render this conversation ({e}); check "
+                                "chat_template_kwargs and the messages") from None
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+    return encode_text(tokenizer, render_chat(tokenizer, messages, **kwargs), "conversation",
+                       add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

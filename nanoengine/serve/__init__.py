@@ -11,8 +11,9 @@
 - `http.py`: what every HTTP app of ours needs: OpenAI's error format, the API key, the body limit, SSE
   framing, a client that went away, the socket, uvicorn's clean shutdown;
 - `routes.py`: the OpenAI routes (the SSE chunks written once for completions and chats; `choices.py` builds
-  the bodies, `logprobs.py` their logprobs in OpenAI's two shapes), `/health`, `/server_info`, `/metrics`,
-  `/v1/trace`;
+  the bodies, `logprobs.py` their logprobs in OpenAI's two shapes; a chat's thinking and tool calls are read
+  by `nanoengine/parsers.py`, its tools checked and forced by `nanoengine/tools.py`), `/health`,
+  `/server_info`, `/metrics`, `/v1/trace`;
 - `server.py`: the process: `Server` (uvicorn on a bound socket, clean shutdown): `run()` in the foreground
   (`nanoengine serve`) or `start()` / `with Server(...)` from a background thread (the book);
 - `trace_json.py`: the engine's step trace as JSON and back (`GET /v1/trace`, for the book's widgets).

@@ -44,6 +44,7 @@ from nanoengine.serve.messages import (
     Abort,
     AddRequests,
     Call,
+    ChatPrompt,
     ChoiceDone,
     Delta,
     EngineStepError,
@@ -55,7 +56,6 @@ from nanoengine.serve.messages import (
 )
 from nanoengine.serve.metrics import ServerMetrics
 from nanoengine.serve.protocol import ProtocolError
-from nanoengine.tokenizer import apply_chat_template
 from nanoengine.trace import RunTrace
 
 if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
@@ -129,7 +129,7 @@ class AsyncEngine:
         return f"{prefix}-{self._ids}-{time.time_ns() % 10**9:09d}"
 
     async def submit(self, prompts: list[Any], params: SamplingParams, request_id: str,
-                     conversation: list[dict] | None = None, echo: bool = False) -> RequestStream:
+                     conversation: ChatPrompt | None = None, echo: bool = False) -> RequestStream:
         """Queue one request per prompt (or one for the conversation); raises the engine's error for a bad
         one, in which case none is queued. echo: fill stream.echo (each prompt's text and first token)."""
         if not self.healthy:
@@ -290,7 +290,7 @@ class AsyncEngine:
             return
         try:
             if conversation is not None:
-                prompts = [{"prompt_token_ids": apply_chat_template(eng.tokenizer, conversation)}]
+                prompts = [{"prompt_token_ids": conversation.token_ids(eng.tokenizer)}]
             reqs = [eng.make_request(p, params, f"{stream.request_id}-{i}") for i, p in enumerate(prompts)]
             if add.echo:
                 decode = eng.tokenizer.decode

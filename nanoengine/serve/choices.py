@@ -9,6 +9,12 @@ With logprobs (`logprobs.py` shapes them) a chunk carries those of the tokens it
 completion with echo shows each prompt before its completion, the prompt's logprobs before the completion's
 (in a stream, in the choice's first chunk); echo with max_tokens 0 (`echo_only`) shows the prompt alone: the
 one token generated for it is dropped, as vLLM does.
+
+A chat read by parsers (`ChatParsing`: the server's reasoning parser, a tool-call parser when the request's
+tool_choice reads calls) has each completion split by `nanoengine/parsers.py`: a reply's message gets
+`reasoning_content`, `content` and `tool_calls`; a stream's event may become several chunks (`ChatChunks`):
+the thinking first, then the answer, then each whole call as OpenAI streams one (its index, id and name with
+arguments "", then its arguments), and the finish reason "tool_calls" when it stopped after calling.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoengine.outputs import PositionLogprobs
+from nanoengine.parsers import ChatOutputParser, ToolCall, finish_reason, parse_text
 from nanoengine.serve.logprobs import chat_logprobs, completion_logprobs, next_offset
 from nanoengine.serve.messages import Delta, Event, RequestStream
 from nanoengine.serve.protocol import (
@@ -29,6 +36,10 @@ from nanoengine.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     Usage,
 )
 
@@ -134,7 +145,72 @@ def chat_chunk_choice(ev: Event, top_logprobs: int | None = None) -> ChatChunkCh
                            logprobs=lp if lp is not None and lp.content else None)
 
 
-def chat_choices(stream: RequestStream, top_logprobs: int | None = None) -> list[ChatChoice]:
-    return [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason, logprobs=_chat_logprobs(c.logprobs, top_logprobs))
-            for c in stream.outputs[0].outputs]
+@dataclass
+class ChatParsing:
+    """How a chat's completions are read: the reasoning parser (None: the thinking stays in the content),
+    the tool-call parser (None: calls are not read), where the thinking stands when the output starts."""
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    thinking: str = "maybe"
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning_parser is not None or self.tool_parser is not None
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(self.reasoning_parser, self.tool_parser, self.thinking)
+
+
+def _calls_out(calls: list[ToolCall]) -> list[ToolCallOut] | None:
+    return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls] or None
+
+
+def chat_choices(stream: RequestStream, top_logprobs: int | None = None,
+                 parsing: ChatParsing | None = None) -> list[ChatChoice]:
+    choices = []
+    for c in stream.outputs[0].outputs:
+        message, reason = ChatMessageOut(content=c.text), c.finish_reason
+        if parsing is not None and parsing.active:
+            p = parse_text(c.text, parsing.reasoning_parser, parsing.tool_parser, parsing.thinking, reason)
+            message = ChatMessageOut(content=p.content, reasoning_content=p.reasoning_content,
+                                     tool_calls=_calls_out(p.tool_calls))
+            reason = p.finish_reason
+        lp = _chat_logprobs(c.logprobs, top_logprobs)
+        choices.append(ChatChoice(index=c.index, message=message, finish_reason=reason,
+                                  stop_reason=c.stop_reason, logprobs=lp))
+    return choices
+
+
+@dataclass
+class ChatChunks:
+    """A parsed chat stream's chunk choices for each event (`__call__`), with a parser per choice."""
+    parsing: ChatParsing
+    top_logprobs: int | None = None
+    parsers: dict[int, ChatOutputParser] = field(default_factory=dict)
+
+    def __call__(self, ev: Event) -> list[ChatChunkChoice]:
+        i, done = ev.index, not isinstance(ev, Delta)
+        parser = self.parsers.get(i) or self.parsers.setdefault(i, self.parsing.parser())
+        calls_before = parser.num_calls
+        parts = parser.feed("" if done else ev.text, final=done)
+        out = []
+        if parts.reasoning:
+            out.append(ChatChunkChoice(index=i, delta=ChatDelta(reasoning_content=parts.reasoning)))
+        if parts.content:
+            out.append(ChatChunkChoice(index=i, delta=ChatDelta(content=parts.content)))
+        for k, call in enumerate(parts.tool_calls, calls_before):
+            first = DeltaToolCall(index=k, id=call.id, type="function",
+                                  function=DeltaFunction(name=call.name, arguments=""))
+            out += [ChatChunkChoice(index=i, delta=ChatDelta(tool_calls=[first])),
+                    ChatChunkChoice(index=i, delta=ChatDelta(tool_calls=[
+                        DeltaToolCall(index=k, function=DeltaFunction(arguments=call.arguments))]))]
+        if done:
+            out.append(ChatChunkChoice(index=i, delta=ChatDelta(),
+                                       finish_reason=finish_reason(ev.finish_reason, parser.num_calls)))
+        lp = _chat_logprobs(ev.logprobs, self.top_logprobs)
+        if lp is not None and lp.content:  # on the event's first chunk (an empty delta if it has none)
+            if not out:
+                out.append(ChatChunkChoice(index=i, delta=ChatDelta()))
+            out[0].logprobs = lp
+        return out

@@ -1,6 +1,7 @@
 """What the HTTP handlers and the engine thread (`async_engine.py`) pass each other. Chapter 05 (appendix).
 
-- to the engine thread, on its command queue: `AddRequests` (a request's prompts, or its conversation),
+- to the engine thread, on its command queue: `AddRequests` (a request's prompts, or its conversation: a
+  `ChatPrompt`, which the engine thread renders through the chat template),
   `Abort` (a client that went away), `Call` (a function to run on the engine between steps), `Wake` (look at
   the shutdown flags now);
 - back to a handler, on its request's `RequestStream`: `Delta(index, text)` for new text,
@@ -20,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanoengine.outputs import PositionLogprobs, RequestOutput
+from nanoengine.parsers import reasoning_state
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.tokenizer import encode_text
+from nanoengine.tools import render_with_tools
 
 if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
     from nanoengine.engine.llm_engine import LLMEngine
@@ -117,12 +121,31 @@ class RequestStream:
 
 # ------------------------------------------------------------------ the commands (handler -> engine thread)
 @dataclass
+class ChatPrompt:
+    """A chat request's conversation: its messages, tools and chat template arguments. The engine thread
+    (the tokenizer's one user) renders it (`token_ids`), and notes where the thinking stands at the prompt's
+    end (`thinking`, parsers.reasoning_state) for the handler's reasoning parser, which reads it once the
+    request is accepted."""
+    messages: list[dict]
+    tools: list[dict] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_tags: tuple[str, str] | None = None
+    thinking: str = "maybe"
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        text = render_with_tools(tokenizer, self.messages, self.tools, **self.template_kwargs)
+        if self.reasoning_tags is not None:
+            self.thinking = reasoning_state(text, self.reasoning_tags)
+        return encode_text(tokenizer, text, "conversation", add_special_tokens=False)
+
+
+@dataclass
 class AddRequests:
     """One engine request per prompt, or one for the conversation (a chat), answered on stream.accepted."""
     stream: RequestStream
     prompts: list[Any]
     params: SamplingParams
-    conversation: list[dict] | None
+    conversation: ChatPrompt | None
     arrival: float  # time.perf_counter() when the HTTP request came in
     echo: bool = False  # the handler shows each prompt's text: the engine thread fills stream.echo
 

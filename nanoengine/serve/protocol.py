@@ -12,19 +12,26 @@ prompt alone, as vLLM does) and chat's `logprobs: true` + `top_logprobs: k`; k i
 `extra_body`. Structured outputs (nanoengine/structured.py): OpenAI's `response_format`, vLLM's
 `structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, one of
 them per request, become `SamplingParams.structured_outputs`.
+
+Agents (nanoengine/parsers.py, nanoengine/tools.py): a chat takes vLLM's `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}`), OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, assistant messages
+with `tool_calls` and "tool" messages with `tool_call_id`. A reply's message (or a chunk's delta) has
+`reasoning_content` beside `content` with a reasoning parser, and `tool_calls` when the model called tools.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.structured import StructuredOutputsParams
-from nanoengine.tokenizer import message_text
+from nanoengine.tokenizer import check_messages, message_text
+from nanoengine.tools import ToolError, check_tools, tool_grammar
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's default is "up to max_model_len"
 
@@ -202,20 +209,81 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-class ChatMessage(_Strict):
-    role: str
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallIn(_Strict):
+    """A call in an earlier assistant message."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _Message(_Strict):
     # a string, or OpenAI's list of content parts: {"type": "text", "text": ...} parts are joined; any other
     # type (image_url, input_audio, file, ...) is refused by name in `text` (a dict here, so that the error
     # names the part's type instead of pydantic's "Input should be a valid string")
     content: str | list[dict[str, Any]]
     name: str | None = None
 
-    def text(self, i: int) -> str:
+    def text(self, i: int) -> str | None:
         """This message's content as one string (it is message `i`); a part that is not text is a 400."""
+        if self.content is None:
+            return None
         try:
             return message_text(self.content, i)
         except (InvalidValueError, InvalidTypeError) as e:
             raise ProtocolError(str(e), "messages") from None
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[dict[str, Any]] | None = None  # None: a message that only calls tools
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None  # its thinking (a template may show it)
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str  # the call it answers
+
+
+# OpenAI's four kinds of message, told apart by their role
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (an object's)
+    strict: bool | None = None  # a forced call always follows the schema
+
+
+class Tool(_Strict):
+    """OpenAI's function tool."""
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice {"type": "function", "function": {"name": ...}}: exactly this call."""
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -223,23 +291,81 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # each token's logprob (and with top_logprobs, the k most likely)
     top_logprobs: int | None = None  # k, with logprobs=true only (OpenAI's rule)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's arguments (enable_thinking)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # with "required": False allows one call only
 
-    def sampling_params(self, default_max_tokens: int | None, **extra: Any) -> SamplingParams:
-        """With logprobs=true, each generated token's logprob and the top `top_logprobs` (0 when left out)."""
+    def sampling_params(self, default_max_tokens: int | None, reasoning_tags: tuple[str, str] | None = None,
+                        auto_tool_choice: bool = False, **extra: Any) -> SamplingParams:
+        """With logprobs=true, each generated token's logprob and the top `top_logprobs` (0 when left out).
+        A "required" or named tool_choice is a grammar (tools.tool_grammar); with `reasoning_tags` (the
+        server's reasoning parser) a grammar applies only after the thinking."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true; add it, or leave top_logprobs out",
                                 "top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise ProtocolError(f"top_logprobs must be >= 0, got {self.top_logprobs}", "top_logprobs")
         extra = {"logprobs": (self.top_logprobs or 0) if self.logprobs else None, **extra}
+        structured = self.structured_outputs_params()
+        tools = self.tool_list()
+        try:
+            grammar = tool_grammar(tools, self.effective_tool_choice(auto_tool_choice),
+                                   self.parallel_tool_calls is not False, reasoning_tags)
+        except ToolError as e:
+            raise ProtocolError(str(e), e.param) from None
+        if grammar is not None and structured is not None:
+            raise ProtocolError(f"tool_choice {self.tool_choice_name()!r} and {self.structured_field()} both "
+                                "constrain the output; give one", "tool_choice")
+        if grammar is not None:
+            extra["structured_outputs"] = grammar
+        elif structured is not None and reasoning_tags is not None:
+            extra["structured_outputs"] = dataclasses.replace(structured, reasoning_tags=reasoning_tags)
         return super().sampling_params(default_max_tokens, **extra)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as dicts (OpenAI's shape), checked (a bad name is a 400 naming `tools`)."""
+        try:
+            return check_tools([t.model_dump(exclude_none=True) for t in self.tools or ()])
+        except ToolError as e:
+            raise ProtocolError(str(e), e.param) from None
+
+    def tool_choice_name(self) -> str:
+        c = self.tool_choice
+        return c if isinstance(c, str) or c is None else c.function.name
+
+    def effective_tool_choice(self, auto_tool_choice: bool) -> str | dict[str, Any]:
+        """The request's tool_choice; left out: "auto" with tools on a server that reads calls
+        (--enable-auto-tool-choice), else "none" (vLLM's rule). "auto" asked of a server that does not read
+        calls is a 400."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools and auto_tool_choice else "none"
+        if choice == "auto" and self.tools and not auto_tool_choice:
+            raise ProtocolError('tool_choice "auto" needs a server that reads the calls: start it with '
+                                "--enable-auto-tool-choice --tool-call-parser hermes, or ask for "
+                                '"required" or a named function', "tool_choice")
+        return choice if isinstance(choice, str) else choice.model_dump()
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (an assistant's calls and a tool's call id too)."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ProtocolError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        messages = []
+        for i, m in enumerate(self.messages):
+            d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if getattr(m, "tool_calls", None):
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            for name in ("tool_call_id", "reasoning_content"):
+                if getattr(m, name, None) is not None:
+                    d[name] = getattr(m, name)
+            messages.append(d)
+        try:
+            return check_messages(messages)
+        except (InvalidValueError, InvalidTypeError) as e:
+            raise ProtocolError(str(e), "messages") from None
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -295,9 +421,22 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # with a reasoning parser: the thinking
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -317,9 +456,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first chunk has the id, type and name (arguments ""), the next ones arguments."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

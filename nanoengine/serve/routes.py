@@ -11,10 +11,16 @@
 Streaming is server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; with
 `stream_options={"include_usage": true}` a last chunk carries the usage, as OpenAI's does. Both completion
 endpoints stream through one function, `sse_lines`; they differ only in how an event becomes a chunk (and
-chat's first chunk, the assistant's role: `choices.py`). Every error is OpenAI's error object (`http.py`):
-400 for a bad request (unknown model, a bad field, a prompt over max_model_len), naming the field; the server
-keeps serving after it. A client that disconnects mid-request has its request aborted and its KV blocks freed
-within one engine step.
+chat's first chunk, the assistant's role: `choices.py`; a parsed chat's event may make several). Every
+error is OpenAI's error object (`http.py`): 400 for a bad request (unknown model, a bad field, a prompt over
+max_model_len), naming the field; the server keeps serving after it. A client that disconnects mid-request
+has its request aborted and its KV blocks freed within one engine step.
+
+Agents: with `--reasoning-parser qwen3` a chat's thinking comes back as `reasoning_content` (streamed before
+the content); `tools` with tool_choice "required" or a named function are enforced by a grammar, and "auto"
+(with `--enable-auto-tool-choice --tool-call-parser hermes`) reads the calls the model wrote; calls come back
+as `tool_calls` (nanoengine/parsers.py, nanoengine/tools.py, `choices.ChatChunks`). A grammar waits for the
+end of the thinking.
 
 With an API key (`--api-key`, or NANOENGINE_API_KEY), every /v1 route and /server_info (and /metrics with
 --protect-metrics) needs `Authorization: Bearer <key>`; without it the answer is 401 in OpenAI's error
@@ -40,8 +46,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from nanoengine.flags import engine_flag
+from nanoengine.parsers import ParserOptions
 from nanoengine.serve.async_engine import AsyncEngine
 from nanoengine.serve.choices import (
+    ChatChunks,
+    ChatParsing,
     CompletionChunks,
     CompletionShape,
     chat_choices,
@@ -64,7 +73,7 @@ from nanoengine.serve.http import (
     unless_gone,
 )
 from nanoengine.serve.limits import ServerLimits
-from nanoengine.serve.messages import EngineStepError, Event, RequestStream, ServerBusyError
+from nanoengine.serve.messages import ChatPrompt, EngineStepError, Event, RequestStream, ServerBusyError
 from nanoengine.serve.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
@@ -79,15 +88,16 @@ from nanoengine.serve.protocol import (
 )
 from nanoengine.serve.trace_json import trace_to_dict
 from nanoengine.structured import StructuredOutputsError
-from nanoengine.tokenizer import CHAT_ROLES
+from nanoengine.tools import parameters_grammars
 
 ChunkOf = Callable[[list[Any], dict | None], BaseModel]  # (choices, usage or None) -> one chunk
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, parsers: ParserOptions | None = None) -> FastAPI:
     """The FastAPI app for one AsyncEngine (started and stopped by the app's lifespan); with `api_key`, the
-    /v1 routes and /server_info (and /metrics with protect_metrics) need it."""
+    /v1 routes and /server_info (and /metrics with protect_metrics) need it; parsers: how chats' thinking and
+    tool calls are read (none by default)."""
     llm_engine = async_engine.llm_engine  # read here, before its thread starts (the plan never changes)
     info = ServerInfo.of(model_name, llm_engine.plan, llm_engine.block_manager.num_blocks)
     app = FastAPI(title="nanoengine", lifespan=_lifespan(async_engine))
@@ -97,7 +107,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     add_error_handlers(app)
     auth = needs_key(api_key)
     add_info_routes(app, async_engine, info, auth, auth if protect_metrics else [])
-    add_completion_routes(app, async_engine, model_name, auth)
+    add_completion_routes(app, async_engine, model_name, auth, parsers or ParserOptions())
     app.openapi = functools.partial(documented_openapi, app, model_name)
     return app
 
@@ -141,7 +151,6 @@ def documented_openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
                     responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
         for body in ("CompletionRequest", "ChatCompletionRequest"):
             schemas[body]["properties"]["model"]["enum"] = [model_name]
-        schemas["ChatMessage"]["properties"]["role"]["enum"] = list(CHAT_ROLES)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -190,7 +199,8 @@ def add_info_routes(app: FastAPI, async_engine: AsyncEngine, info: ServerInfo, a
         return JSONResponse(await async_engine.call(lambda _: trace_to_dict(async_engine.trace, since)))
 
 
-def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: str, auth: list) -> None:
+def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: str, auth: list,
+                          parsers: ParserOptions) -> None:
     """POST /v1/completions and /v1/chat/completions: submit, then SSE chunks or one JSON reply."""
 
     @app.post("/v1/completions", dependencies=auth)
@@ -213,19 +223,27 @@ def add_completion_routes(app: FastAPI, async_engine: AsyncEngine, model_name: s
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         conversation = body.conversation()
-        params = check_n(body.sampling_params(None), async_engine)
+        tags, auto = parsers.reasoning_tags, parsers.enable_auto_tool_choice
+        params = check_n(body.sampling_params(None, tags, auto), async_engine)
         check_logprobs(params.logprobs, "top_logprobs", async_engine)
+        tools, tool_choice = body.tool_list(), body.effective_tool_choice(auto)
+        await check_tool_schemas(async_engine, tools)
+        prompt = ChatPrompt(conversation, tools or None, dict(body.chat_template_kwargs or {}), tags)
         rid = async_engine.new_id("chatcmpl")
-        stream = await submit(async_engine, body, [], params, rid, conversation=conversation)
+        stream = await submit(async_engine, body, [], params, rid, conversation=prompt)
+        tool_parser = (None if tool_choice == "none" else parsers.tool_call_parser if tool_choice == "auto"
+                       else "hermes")  # a forced call's grammar writes Hermes blocks
+        parsing = ChatParsing(parsers.reasoning_parser, tool_parser, prompt.thinking)
         if body.stream:
             chunk = functools.partial(chat_chunk, rid, model_name)
             role = chat_role_choices(params.n)
-            choice = functools.partial(chat_chunk_choice, top_logprobs=params.logprobs)
+            choice = (ChatChunks(parsing, params.logprobs) if parsing.active
+                      else functools.partial(chat_chunk_choice, top_logprobs=params.logprobs))
             return sse_response(sse_lines(async_engine, stream, chunk, choice, first=role,
                                           include_usage=body.include_usage))
         await wait(async_engine, stream, request)
-        resp = ChatCompletionResponse(id=rid, model=model_name, choices=chat_choices(stream, params.logprobs),
-                                      usage=Usage(**stream.usage))
+        resp = ChatCompletionResponse(id=rid, model=model_name, usage=Usage(**stream.usage),
+                                      choices=chat_choices(stream, params.logprobs, parsing))
         return JSONResponse(resp.model_dump())
 
 
@@ -239,8 +257,18 @@ async def submit(async_engine: AsyncEngine, body: Any, prompts: list[Any], param
             await asyncio.to_thread(async_engine.llm_engine.structured.compile, params.structured_outputs)
         return await async_engine.submit(prompts, params, request_id, **kwargs)
     except StructuredOutputsError as e:
-        e.param = body.structured_field() or e.param
+        e.param = body.structured_field() or ("tools" if getattr(body, "tools", None) else e.param)
         raise
+
+
+async def check_tool_schemas(async_engine: AsyncEngine, tools: list[dict]) -> None:
+    """Each tool's parameters schema compiled (in a worker thread; cached): one the grammar library cannot
+    compile is a 400 naming `tools`, whatever the tool_choice."""
+    for i, grammar in parameters_grammars(tools):
+        try:
+            await asyncio.to_thread(async_engine.llm_engine.structured.compile, grammar)
+        except StructuredOutputsError as e:
+            raise ProtocolError(f"tools[{i}].function.parameters: {e}", "tools") from None
 
 
 def check_n(params: Any, async_engine: AsyncEngine) -> Any:
@@ -290,7 +318,9 @@ async def sse_lines(async_engine: AsyncEngine, stream: RequestStream, chunk: Chu
         if first is not None:
             yield sse_data(chunk(first, None))
         async for ev in stream.events():
-            yield sse_data(chunk([choice(ev)], None))
+            made = choice(ev)  # one chunk's choice, or a list of them (a parsed chat's)
+            for c in made if isinstance(made, list) else [made]:
+                yield sse_data(chunk([c], None))
         if include_usage:
             yield sse_data(chunk([], stream.usage))
     except EngineStepError as e:

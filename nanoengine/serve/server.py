@@ -19,6 +19,7 @@ import prometheus_client
 import uvicorn
 
 from nanoengine.distributed import launcher
+from nanoengine.parsers import ParserOptions
 from nanoengine.serve.async_engine import AsyncEngine
 from nanoengine.serve.http import ShutdownUvicorn, base_url, bind_socket, check_access
 from nanoengine.serve.limits import ServerLimits
@@ -39,10 +40,11 @@ class Server:
                  served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
                  log_level: str = "info", engine_options: dict[str, Any] | None = None,
                  api_key: str | None = None, protect_metrics: bool = False,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, parsers: ParserOptions | None = None) -> None:
         """api_key: the key every /v1 request must bear (`Authorization: Bearer <key>`; /metrics too with
         protect_metrics); None: no key, and a warning when the address is reachable from other machines.
-        limits: what one request and the queue may be (ServerLimits; its defaults when None)."""
+        limits: what one request and the queue may be (ServerLimits; its defaults when None). parsers: how
+        chats' thinking and tool calls are read (ParserOptions: --reasoning-parser, --tool-call-parser)."""
         from nanoengine.launch import build_engine
         from nanoengine.serve.metrics import ServerMetrics
 
@@ -52,6 +54,7 @@ class Server:
                                 "shutdown_grace")
         if limits is not None and not isinstance(limits, ServerLimits):
             raise ProtocolError(f"limits must be a ServerLimits, got {type(limits).__name__}", "limits")
+        parsers = parsers or ParserOptions()
         self.warnings = check_access(host, api_key, protect_metrics)
         if (launch := launcher.launched()) is not None and launch.rank != 0:  # torchrun: rank 0 alone listens
             build_engine(model, **(engine_options or {}))  # serves rank 0's steps, then exits the process
@@ -61,12 +64,18 @@ class Server:
         except BaseException:
             self.sock.close()
             raise
+        try:
+            parsers.check_vocabulary(self.llm_engine.tokenizer, str(model))
+        except ValueError:
+            self.llm_engine.close()
+            self.sock.close()
+            raise
         prometheus_client.disable_created_metrics()  # no *_created series beside each counter (as vLLM does)
         self.name = served_model_name or str(model)
         self.exit_code = 0  # 1 once the engine failed
         self.async_engine = AsyncEngine(self.llm_engine, ServerMetrics(self.name), trace=trace, limits=limits,
                                         on_fatal=self._on_engine_failure)
-        app = build_app(self.async_engine, self.name, api_key, protect_metrics)
+        app = build_app(self.async_engine, self.name, api_key, protect_metrics, parsers)
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=int(shutdown_grace_s) + 2)
         self.grace_s = shutdown_grace_s
