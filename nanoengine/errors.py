@@ -41,3 +41,11 @@ class ExerciseNotDoneError(ExerciseError, NotImplementedError):
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker raised, exited or was killed; the message carries its traceback or its end."""
+
+
+class StructuredOutputsError(InvalidValueError):
+    """A structured-outputs request the library cannot compile; `param` names the field (the server's 400)."""
+
+    def __init__(self, message: str, param: str = "structured_outputs") -> None:
+        super().__init__(message)
+        self.param = param

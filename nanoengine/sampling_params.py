@@ -7,16 +7,19 @@ is checked here, type and range, with an error naming the field, the value and w
 `logprobs=k` asks for each generated token's logprob and rank and the k most likely tokens at its step;
 `prompt_logprobs=k` the same for every prompt token after the first (vLLM's fields; 0 = the token's own only).
 Which distribution they come from is the engine's `logprobs_mode` (config.py; nanoengine/layers/logprobs.py).
+
+`structured_outputs=StructuredOutputsParams(...)` (defined here, as in vLLM) says what the output must match;
+nanoengine/structured.py compiles it and masks the logits, imported only when a request asks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoengine.errors import InvalidTypeError, InvalidValueError
-from nanoengine.structured import StructuredOutputsParams
+from nanoengine.errors import InvalidTypeError, InvalidValueError, StructuredOutputsError
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature overflow float32; 0 is greedy
 MAX_SEED = 2**63 - 2**20  # a seed plus a completion index stays a valid torch seed
@@ -127,3 +130,78 @@ def _number(name: str, value: Any, lo: float, hi: float | None = None, lo_open: 
                    f"in {'(' if lo_open else '['}{lo}, {hi}]")
         raise _bad(f"{name} must be {allowed}, got {value}", fix)
     return value
+
+
+# ----------------------------------------------------------------------------------------- structured outputs
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+        "json_object": "JSON object grammar", "structural_tag": "structural tag"}
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's class and fields): exactly one of
+    `json` (a JSON schema, as a dict or as JSON text), `regex`, `choice` (a list of strings), `grammar` (EBNF,
+    xgrammar's dialect of GBNF), `json_object=True` (any JSON object) or `structural_tag` (xgrammar's
+    structural tag, as a dict or JSON text). `reasoning_tags` (start, end): the model thinks between these
+    two tokens first, and the grammar applies only after the end (None: from the first token)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    reasoning_tags: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidValueError(
+                f"StructuredOutputsParams: give exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise _bad_type("json", self.json, "a JSON schema as a dict or as JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad_type(name, value, "a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise _bad_type("choice", self.choice, "a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise _bad_type("json_object", self.json_object, "True (or leave it out)")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise _bad_type("structural_tag", self.structural_tag, "a structural tag (a dict or JSON text)")
+        tags = self.reasoning_tags
+        if tags is not None and (not isinstance(tags, (tuple, list)) or len(tags) != 2
+                                 or not all(isinstance(t, str) and t for t in tags)):
+            raise _bad_type("reasoning_tags", tags, "two tokens' text: (start, end)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec): equal for requests that compile to the same grammar (the cache's key)."""
+        kind = self.kind
+        if kind in ("json", "structural_tag"):
+            spec = getattr(self, kind)
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except ValueError as e:
+                    raise StructuredOutputsError(f"structured_outputs.{kind} is not valid JSON ({e}); pass "
+                                                 f"a {WHAT[kind]}") from None
+            return kind, json.dumps(spec, separators=(",", ":"))  # (key order matters: properties)
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def _bad_type(name: str, value: Any, want: str) -> InvalidTypeError:
+    return InvalidTypeError(f"StructuredOutputsParams: {name} must be {want}, got {value!r:.80} "
+                            f"({type(value).__name__})")

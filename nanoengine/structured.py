@@ -37,95 +37,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nanoengine.errors import InvalidTypeError, InvalidValueError
+from nanoengine.errors import StructuredOutputsError
+from nanoengine.sampling_params import KINDS, WHAT, StructuredOutputsParams
+
+# (the request's side, StructuredOutputsParams, lives in sampling_params.py as in vLLM)
+__all__ = ["KINDS", "WHAT", "StructuredOutputs", "StructuredOutputsError", "StructuredOutputsParams",
+           "TokenMask"]
 
 if TYPE_CHECKING:  # (torch only for the hints: SamplingParams and the server's front end import this module)
     import torch
 
     from nanoengine.engine.sequence import Sequence
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
 # whitespace characters allowed in a row between JSON elements (indent 4, three levels deep, fits): unbounded,
 # a small model can loop on whitespace until max_tokens and never close its JSON
 JSON_MAX_WHITESPACE = 12
-
-
-class StructuredOutputsError(InvalidValueError):
-    """A structured-outputs request the library cannot compile; `param` names the field (the server's 400)."""
-
-    def __init__(self, message: str, param: str = "structured_outputs") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class StructuredOutputsParams:
-    """What a request's output must match (vLLM's class and fields): exactly one of
-    `json` (a JSON schema, as a dict or as JSON text), `regex`, `choice` (a list of strings), `grammar` (EBNF,
-    xgrammar's dialect of GBNF), `json_object=True` (any JSON object) or `structural_tag` (xgrammar's
-    structural tag, as a dict or JSON text). `reasoning_tags` (start, end): the model thinks between these
-    two tokens first, and the grammar applies only after the end (None: from the first token)."""
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: dict | str | None = None
-    reasoning_tags: tuple[str, str] | None = None
-
-    def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise InvalidValueError(
-                f"StructuredOutputsParams: give exactly one of {', '.join(KINDS)}; got "
-                f"{', '.join(given) if given else 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise _bad_type("json", self.json, "a JSON schema as a dict or as JSON text")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise _bad_type(name, value, "a non-empty string")
-        if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise _bad_type("choice", self.choice, "a non-empty list of non-empty strings")
-            self.choice = list(self.choice)
-        if self.json_object not in (None, True, False):
-            raise _bad_type("json_object", self.json_object, "True (or leave it out)")
-        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
-            raise _bad_type("structural_tag", self.structural_tag, "a structural tag (a dict or JSON text)")
-        tags = self.reasoning_tags
-        if tags is not None and (not isinstance(tags, (tuple, list)) or len(tags) != 2
-                                 or not all(isinstance(t, str) and t for t in tags)):
-            raise _bad_type("reasoning_tags", tags, "two tokens' text: (start, end)")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical spec): equal for requests that compile to the same grammar (the cache's key)."""
-        kind = self.kind
-        if kind in ("json", "structural_tag"):
-            spec = getattr(self, kind)
-            if isinstance(spec, str):
-                try:
-                    spec = json.loads(spec)
-                except ValueError as e:
-                    raise StructuredOutputsError(f"structured_outputs.{kind} is not valid JSON ({e}); pass "
-                                                 f"a {WHAT[kind]}") from None
-            return kind, json.dumps(spec, separators=(",", ":"))  # (key order matters: properties)
-        if kind == "choice":
-            return kind, json.dumps(self.choice)
-        if kind == "json_object":
-            return kind, ""
-        return kind, getattr(self, kind)
-
-
-def _bad_type(name: str, value: Any, want: str) -> InvalidTypeError:
-    return InvalidTypeError(f"StructuredOutputsParams: {name} must be {want}, got {value!r:.80} "
-                            f"({type(value).__name__})")
 
 
 # ------------------------------------------------------------------------------------------ compiling
@@ -168,9 +95,6 @@ def _library_message(e: Exception) -> str:
     """xgrammar's error without its timestamp and source location."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).strip()
 
-
-WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-        "json_object": "JSON object grammar", "structural_tag": "structural tag"}
 
 
 # ------------------------------------------------------------------------------------------ in the engine

@@ -1,12 +1,13 @@
 """The house's rules, checked on the source: no import cycles inside nanoengine/ (imports inside functions
 count; typing-only ones do not), `engine/` never imports `distributed/`, the model runner knows nothing of
-processes, the config and the plan name no chapter and read no global state, and every attention backend
-implements the declared interface."""
+processes, the config and the plan name no chapter and read no global state, every attention backend
+implements the declared interface, and a default generate imports no extension it does not use."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,25 @@ def test_every_attention_backend_implements_the_interface():
     assert not any(issubclass(BACKENDS[n], TorchAttention) for n in ("triton", "flash_attn"))
     with pytest.raises(TypeError, match="abstract"):
         AttentionBackend(4, 2, 64, 0.125)
+
+
+EXTENSIONS = ("nanoengine.spec", "nanoengine.structured", "nanoengine.layers.logprobs", "nanoengine.serve",
+              "nanoengine.viz", "nanoengine.bench", "nanoengine.parsers", "nanoengine.tools", "xgrammar")
+
+
+def extensions_imported(params: str) -> list[str]:
+    """The extension packages a fresh process has imported after one LLM(...).generate(..., params)."""
+    code = ("import sys\nfrom nanoengine import LLM, SamplingParams\n"
+            f"LLM('tiny-qwen3').generate(['hi'], SamplingParams({params}), use_tqdm=False)\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({EXTENSIONS!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_default_generate_imports_no_extension_it_does_not_use():
+    assert extensions_imported("max_tokens=4") == []
+    # (and they are imported where they are used)
+    assert {"nanoengine.layers.logprobs", "nanoengine.structured"} <= set(extensions_imported(
+        "max_tokens=4, logprobs=1, structured_outputs=__import__('nanoengine').sampling_params"
+        ".StructuredOutputsParams(regex='[a-z]+')"))

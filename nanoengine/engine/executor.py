@@ -38,13 +38,13 @@ import torch
 
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
-from nanoengine.layers import logprobs as lp
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.layers.tp_group import SINGLE
 
 if TYPE_CHECKING:
     from nanoengine.engine.logits_masks import LogitsMask
     from nanoengine.engine.parts import EngineParts
+    from nanoengine.layers import logprobs as lp
     from nanoengine.plan import EnginePlan
 
 
@@ -91,7 +91,7 @@ class ForwardOutput:
             for name in ("sampled_logprobs", "prompt_logprobs"):
                 row = getattr(self, name)
                 if row is not None:
-                    setattr(self, name, lp.RowLogprobs(*map(to_host, row.tensors())))
+                    setattr(self, name, type(row)(*map(to_host, row.tensors())))
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -165,6 +165,8 @@ class Executor(ABC):
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
         prompt = None
+        if logprobs is not None:  # (layers/logprobs.py is imported only when a request asks)
+            from nanoengine.layers import logprobs as lp
         if logits is not None and model_input.num_logprob_rows:  # the prompt rows come after the sampled ones
             logits, prompt_logits = logits[:model_input.num_sampled], logits[model_input.num_sampled:]
             prompt = lp.prompt_logprobs(prompt_logits, logprobs)

@@ -16,11 +16,12 @@ before it finishes step N. An engine is built by `nanoengine.launch.build_engine
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,17 +37,36 @@ from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput, StepUpdat
 from nanoengine.engine.sequence import Sequence
 from nanoengine.engine.step import EngineLoad, LaunchedStep, StepResult, StepTimes, TextDelta
 from nanoengine.errors import InvalidTypeError, InvalidValueError
-from nanoengine.layers.logprobs import LogprobsWanted
 from nanoengine.outputs import Logprob, PositionLogprobs, RequestMetrics
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.spec import make_speculator
-from nanoengine.spec.verify import SpecCounts
-from nanoengine.structured import StructuredOutputs
 from nanoengine.tokenizer import TokenTexts, eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
+if TYPE_CHECKING:
+    from nanoengine.spec.verify import SpecCounts
+    from nanoengine.structured import StructuredOutputs
+
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
+
+
+class NoGrammars:
+    """An engine's structured outputs while no request has asked for them: no grammar, no mask."""
+
+    def add(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def samples_grammar(self, seqs: Any) -> bool:
+        return False
+
+    def advance(self, appended: Any) -> None:
+        pass
+
+    def mask(self, seqs: list[Sequence]) -> None:
+        return None
 
 
 class LLMEngine:
@@ -62,10 +82,13 @@ class LLMEngine:
         self.block_manager = parts.block_manager_class(executor.num_kv_blocks, plan.block_size,
                                                        plan.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
-        self.speculator = make_speculator(config.speculative_config, plan, tokenizer, executor.num_kv_blocks,
-                                          parts.ngram_proposer_class, parts.accept, build_engine)
-        # what speculative decoding did (stays zero without it)
-        self.spec_counts = self.speculator.counts if self.speculator is not None else SpecCounts()
+        self.speculator = None  # speculative decoding (nanoengine/spec/, imported only when it is asked for)
+        if config.speculative_config is not None:
+            from nanoengine.spec import make_speculator
+
+            self.speculator = make_speculator(config.speculative_config, plan, tokenizer,
+                                              executor.num_kv_blocks, parts.ngram_proposer_class,
+                                              parts.accept, build_engine)
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
@@ -76,8 +99,10 @@ class LLMEngine:
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)
         self.token_texts = TokenTexts(tokenizer)  # logprobs' decoded tokens
-        # grammars of structured outputs (nanoengine/structured.py; the library is imported on first use)
-        self.structured = StructuredOutputs(tokenizer, plan.hf_config.vocab_size, self.eos_token_ids)
+        # grammars of structured outputs: none until a request asks (`structured`), so
+        # nanoengine/structured.py and its library are imported only then
+        self.grammars: StructuredOutputs | NoGrammars = NoGrammars()
+        self._grammars_made = threading.Lock()  # (the server compiles a request's grammar on another thread)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0  # steps finished
@@ -125,7 +150,7 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for s in request.seqs:
             self.scheduler.add(s)
-            self.structured.add(s)
+            self.grammars.add(s)
         if self.trace is not None:
             self.trace.add_prompts(request.seqs)
 
@@ -142,9 +167,29 @@ class LLMEngine:
         for s in req.seqs if req is not None else ():
             self.scheduler.abort(s)
             self.sampling.release(s)
-            self.structured.release(s)
+            self.grammars.release(s)
         if not self.scheduler.has_unfinished():
             self.drain()  # a step in flight now samples for no one: finish it, so the engine is idle
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The engine's grammars of structured outputs (nanoengine/structured.py), made on first use."""
+        with self._grammars_made:
+            if isinstance(self.grammars, NoGrammars):
+                from nanoengine.structured import StructuredOutputs
+
+                self.grammars = StructuredOutputs(self.tokenizer, self.plan.hf_config.vocab_size,
+                                                  self.eos_token_ids)
+        return self.grammars
+
+    @property
+    def spec_counts(self) -> SpecCounts:
+        """What speculative decoding did (zero without it)."""
+        if self.speculator is not None:
+            return self.speculator.counts
+        from nanoengine.spec.verify import SpecCounts
+
+        return SpecCounts()
 
     def close(self) -> None:
         """Stop the executor's ranks (tensor parallelism's worker processes), and a draft model's engine."""
@@ -189,7 +234,7 @@ class LLMEngine:
             error, self.deferred_error = self.deferred_error, None
             raise error
         first = None
-        if self.in_flight is not None and self.structured.samples_grammar(self.in_flight.scheduled.sampled):
+        if self.in_flight is not None and self.grammars.samples_grammar(self.in_flight.scheduled.sampled):
             first = self.drain()  # its result is this call's (the step launched below stays in flight)
         try:
             result = self.schedule_and_run()
@@ -233,11 +278,13 @@ class LLMEngine:
         prompt_rows = self.inputs.last_prompt_rows
         wanted, k = None, None if sampling is None else sampling.num_logprobs  # (None: no row is sampled)
         if k is not None or prompt_rows:  # a request asked for logprobs
+            from nanoengine.layers.logprobs import LogprobsWanted
+
             wanted = LogprobsWanted(k, self.config.logprobs_mode)
             if prompt_rows:
                 wanted.prompt_targets = torch.tensor(self.inputs.last_prompt_targets)  # [P]
                 wanted.prompt_k = max(r.seq.sampling_params.prompt_logprobs for r in prompt_rows)
-        mask = self.structured.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
+        mask = self.grammars.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
             mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
                                                self.plan.hf_config.vocab_size, mask))
@@ -258,7 +305,7 @@ class LLMEngine:
         with held_interrupts():  # the books are written whole
             update = self.scheduler.update(step.scheduled, tokens)
             step.scheduled.updated = True  # from here on the step is done: a later error does not undo it
-            self.structured.advance(update.appended)  # the grammars' matchers take the tokens put in place
+            self.grammars.advance(update.appended)  # the grammars' matchers take the tokens put in place
             if step.forward is not None:
                 self.add_logprobs(step, update)
             t_updated = time.perf_counter()
@@ -387,7 +434,7 @@ class LLMEngine:
         done = []
         for seq in update.finished:
             self.sampling.release(seq)
-            self.structured.release(seq)
+            self.grammars.release(seq)
             req = self.requests[seq.request_id]
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now

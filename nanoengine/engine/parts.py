@@ -41,9 +41,7 @@ from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.sampler import Sampler
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models.hf_config import rope_theta
-from nanoengine.pieces import PIECES, ch02, ch03, ch04, ch05, ch06, ch07, ch09, ch10, learner
-from nanoengine.spec.ngram import NgramProposer
-from nanoengine.spec.verify import accepted_tokens
+from nanoengine.pieces import PIECES
 
 # (forward, kind, max_num_seqs, max_blocks, hidden_size, block_size, dtype, device) -> decode graphs, which
 # answer can_replay(inp), replay(inp) and capture(buckets) as DecodeGraphs does
@@ -60,8 +58,10 @@ class EngineParts:
     scheduler_class: type[Scheduler]
     attention_metadata: MetadataBuilder | None  # None: the input builder's own
     sampler: Sampler
-    ngram_proposer_class: type = NgramProposer  # speculative decoding's "ngram" proposer (chapter 09)
-    accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens  # drafts, verified -> kept tokens
+    # speculative decoding's "ngram" proposer and acceptance rule (drafts, verified -> kept tokens): the
+    # learner's (chapter 09), or None for the engine's own (nanoengine/spec/, imported only when it drafts)
+    ngram_proposer_class: type | None = None
+    accept: Callable[[list[int], list[int]], list[int]] | None = None
     moe: MoEPieces = ENGINE_MOE  # an MoE model's router and expert forward (layers/moe.py)
 
 
@@ -92,7 +92,9 @@ def assemble(plan: Any) -> EngineParts:
     """The parts of an engine under this EnginePlan (see the module docstring)."""
     chosen = plan.pieces
     modules = {}
-    if chosen:
+    if chosen:  # (the adapters are imported only for a learner's pieces)
+        from nanoengine.pieces import ch02, ch03, ch04, ch05, ch06, ch07, ch09, ch10, learner
+
         folder = Path(chosen.folder)
         modules = {ch: learner.load(ch, folder) for ch in chosen.chapters}
         learner.check_done([(modules[ch], name, ch) for ch in modules for name in PIECES[ch]])
@@ -121,7 +123,7 @@ def assemble(plan: Any) -> EngineParts:
         graphs = ch06.graphs_factory(modules["ch06"])
     if "ch07" in modules:
         tp_group = ch07.group_wrapper(modules["ch07"])
-    ngram_proposer_class, accept = NgramProposer, accepted_tokens
+    ngram_proposer_class, accept = None, None
     if "ch09" in modules:  # over ch04's block manager when both are used
         ngram_proposer_class = ch09.ngram_proposer_class(modules["ch09"])
         accept = ch09.accept(modules["ch09"])

@@ -105,14 +105,16 @@ class Speculator:
 
 
 def make_speculator(spec: Any, plan: Any, tokenizer: Any, num_kv_blocks: int,
-                    ngram_class: type = NgramProposer,
-                    accept: Callable[[list[int], list[int]], list[int]] = accepted_tokens,
+                    ngram_class: type | None = None,
+                    accept: Callable[[list[int], list[int]], list[int]] | None = None,
                     build_engine: Callable[..., Any] | None = None) -> Speculator | None:
-    """The Speculator a SpeculativeConfig asks for (None without one), with `accept` (the engine's rule, or
-    the learner's from chapter 09), its proposer (`make_proposer`) and the adaptive number of drafts
-    (policy.py: on by default, as there is no cost to it where drafts pay)."""
+    """The Speculator a SpeculativeConfig asks for (None without one), with `accept` (the learner's from
+    chapter 09; None: the engine's rule), its proposer (`make_proposer`; `ngram_class` None: the
+    engine's) and the adaptive number of drafts (policy.py: on by default, as there is no cost to it where
+    drafts pay)."""
     if spec is None:
         return None
+    ngram_class, accept = ngram_class or NgramProposer, accept or accepted_tokens
     measured = spec.row_cost == "measured"  # else fixed: the prior, never refit
     policy = AdaptiveK(spec.num_speculative_tokens, VERIFY_ROW_COST if measured else float(spec.row_cost),
                        measure=measured)
