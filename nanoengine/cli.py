@@ -75,6 +75,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from nanoengine.bench import host
 
         return host.main(args)
+    if args.engine is not None:  # an engine of one's own, beside ours
+        import json
+
+        from nanoengine.bench import beside
+
+        result = beside.bench_beside(args.engine, args.model or assets.DEFAULT_MODEL, args.workload,
+                                     args.num_requests, seed=args.seed, out_dir=args.out_dir,
+                                     quiet=args.quiet, engine_options=json.loads(args.engine_options or "{}"))
+        print(beside.report(result))
+        return 0
     from nanoengine.bench import run  # torch and the benchmark load only when they are needed
 
     args.model = args.model or assets.DEFAULT_MODEL
@@ -120,6 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1 and parsers != ParserOptions():
         raise ValueError("--reasoning-parser and --tool-call-parser are not passed to data-parallel replicas "
                          "yet; serve with --data-parallel-size 1, or leave them out")
+    if args.data_parallel_size > 1 and args.engine is not None:
+        raise ValueError("--engine serves one engine of your own; leave out --data-parallel-size")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size == 1 and (args.router is not None or args.router_max_in_flight is not None):
@@ -148,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = serve(args.model, args.host, args.port, served_model_name=args.served_model_name, trace=args.trace,
                  shutdown_grace_s=args.shutdown_grace, log_level=args.log_level,
                  engine_options=engine_options(args), api_key=args.api_key,
-                 protect_metrics=args.protect_metrics, limits=server_limits(args), parsers=parsers)
+                 protect_metrics=args.protect_metrics, limits=server_limits(args), parsers=parsers,
+                 engine=args.engine)
     # Everything the server owns is closed by now (engine thread, workers, socket). The interpreter's own
     # teardown of torch and transformers can take seconds on a busy CPU, which a SIGTERM'd server should not.
     logging.shutdown()
@@ -208,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--trace", action="store_true", help="record the step trace, served at GET /v1/trace")
+    s.add_argument("--engine", default=None, metavar="MODULE:FACTORY",
+                   help="serve an engine of your own: FACTORY(model) returns one that speaks the engine "
+                        "protocol (nanoengine/engine/protocol.py); the module importable from here")
     s.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY") or None,
                    help="every /v1 request must send 'Authorization: Bearer KEY' (default: "
                         "$NANOENGINE_API_KEY; none: open to whoever reaches the port)")
@@ -273,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the engine again with enable_prefix_caching=False and report the ratio")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     b.add_argument("--engine-options", default=None, help='JSON, e.g. \'{"block_size": 32}\'')
+    b.add_argument("--engine", default=None, metavar="MODULE:FACTORY",
+                   help="measure an engine of your own (the engine protocol: nanoengine/engine/protocol.py; "
+                        "FACTORY(model) returns it) beside nanoengine on --workload (default smoke here)")
     b.add_argument("--seed", type=int, default=0, help="workload and arrival seed (nano-vllm's is 0)")
     b.add_argument("--out-dir", default="bench_results", help="where the JSON result goes")
     b.add_argument("--figures-dir", default="figures", help="where the plot goes")

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nanoengine.assets import DEFAULT_MODEL
+from nanoengine.engine.protocol import check_engine
 from nanoengine.errors import InvalidTypeError, InvalidValueError
 from nanoengine.launch import build_engine
 from nanoengine.outputs import RequestOutput
@@ -22,10 +23,21 @@ from nanoengine.tokenizer import encode_text
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        self.engine = build_engine(model, **engine_options)
-        self.config = self.engine.config  # the options as given (EngineConfig)
-        self.plan = self.engine.plan  # what they resolved to on this machine (EnginePlan)
-        self.tokenizer = self.engine.tokenizer
+        self._attach(build_engine(model, **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> LLM:
+        """An LLM over an engine already built: ours, or any that speaks the engine protocol
+        (nanoengine/engine/protocol.py), such as your own; generate, chat and stream run it alike."""
+        llm = cls.__new__(cls)
+        llm._attach(check_engine(engine))
+        return llm
+
+    def _attach(self, engine: Any) -> None:
+        self.engine = engine
+        self.config = getattr(engine, "config", None)  # the options as given (EngineConfig)
+        self.plan = engine.plan  # what they resolved to on this machine (EnginePlan)
+        self.tokenizer = engine.tokenizer
         self.trace = None  # RunTrace of the last generate() when trace=True
         self.last_run_stats: dict[str, Any] = {}
 
@@ -75,11 +87,12 @@ class LLM:
         bar = None
         steps = 0
         try:  # (a failure while adding them, too, leaves none of them queued)
-            if self.plan.trace:
+            if getattr(self.plan, "trace", False):  # (an engine of one's own may keep no trace)
                 self.trace = engine.start_trace()
             for r in requests:
                 engine.add(r)
-            engine.clear_stats()
+            if hasattr(engine, "clear_stats"):  # a run's own StepStats (an engine that keeps them)
+                engine.clear_stats()
             if use_tqdm:
                 from tqdm.auto import tqdm
 
@@ -118,7 +131,8 @@ class LLM:
         try:
             for r in requests:
                 engine.abort(r.request_id)
-            return int(engine.drain().stats is not None)  # a step launched before they finished
+            drain = getattr(engine, "drain", None)  # a step launched before they finished (overlap)
+            return int(drain is not None and drain().stats is not None)
         except BaseException as e:
             if error is None:
                 raise

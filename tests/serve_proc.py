@@ -22,10 +22,11 @@ START_TIMEOUT_S = 180  # loading tiny-qwen3 takes ~3 s idle, far more on a busy 
 class Server:
     """`nanoengine serve` in a subprocess on a port the OS picks (read from its first line)."""
 
-    def __init__(self, *extra: str, env: dict[str, str] | None = None, model: str = MODEL) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None, model: str = MODEL,
+                 engine_flags: tuple[str, ...] | list[str] = tuple(ENGINE)) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", model, "--port", "0",
-                                      "--log-level", "warning", *ENGINE, *extra],
+                                      "--log-level", "warning", *engine_flags, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         line, deadline = "", time.monotonic() + START_TIMEOUT_S
         while "/v1" not in line:

@@ -1,6 +1,6 @@
 """The mixture-of-experts benchmark: decode speed of an MoE model at 1 and 32 streams, against transformers'
-Qwen3MoeForCausalLM on the same prompts in the same run, and against the active-parameter bound. Issue 41
-(chapter 10 to come; the roofline is chapter 08's).
+Qwen3MoeForCausalLM on the same prompts in the same run, and against the active-parameter bound.
+Chapter 10 (the roofline is chapter 08's).
 
     python -m nanoengine.bench.moe                                       # tiny-qwen3-moe, 1 and 32 streams
     python -m nanoengine.bench.moe --model qwen3-30b-a3b-12l-shape --dtype bfloat16 --streams 1 8

@@ -30,17 +30,17 @@ from nanoengine.engine.executor import Executor
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.interrupts import held_interrupts
 from nanoengine.engine.logits_masks import chain, min_tokens_mask
+from nanoengine.engine.logprob_outputs import LogprobOutputs
 from nanoengine.engine.parts import EngineParts
-from nanoengine.engine.request import Completion, Request, check_token_ids, parse_prompt
+from nanoengine.engine.request import Request, check_token_ids, new_request
 from nanoengine.engine.sampling import SamplingBatcher
 from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput, StepUpdate
 from nanoengine.engine.sequence import Sequence
 from nanoengine.engine.step import EngineLoad, LaunchedStep, StepResult, StepTimes, TextDelta
-from nanoengine.errors import InvalidTypeError, InvalidValueError
-from nanoengine.outputs import Logprob, PositionLogprobs, RequestMetrics
+from nanoengine.errors import InvalidValueError
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.tokenizer import TokenTexts, eos_token_ids
+from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class LLMEngine:
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)
-        self.token_texts = TokenTexts(tokenizer)  # logprobs' decoded tokens
+        self.logprobs = LogprobOutputs(tokenizer, config.logprobs_mode)  # what steps reduce, where it goes
         # grammars of structured outputs: none until a request asks (`structured`), so
         # nanoengine/structured.py and its library are imported only then
         self.grammars: StructuredOutputs | NoGrammars = NoGrammars()
@@ -120,11 +120,12 @@ class LLMEngine:
         """Tokenize and check a request without queueing it (so a batch can be checked before any is
         added). final_only: its text is read only once it is done, so `step` makes no deltas for it and
         (without stop strings) it is detokenized once, at the end (see Completion)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = parse_prompt(prompt, self.tokenizer, self.plan.hf_config.vocab_size)
-        check_token_ids(params.stop_token_ids, self.plan.hf_config.vocab_size, "stop_token_ids")
+        rid = request_id if request_id is not None else str(next(self._request_ids))
+        if rid in self.requests:
+            raise InvalidValueError(f"request id {rid!r} is already in use")
+        req = new_request(prompt, params, self.tokenizer, self.plan.hf_config.vocab_size, rid,
+                          self.plan.block_size, final_only)
+        params = req.params
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:
@@ -133,18 +134,11 @@ class LLMEngine:
                                         "(the server's --max-logprobs)")
         if params.structured_outputs is not None:  # compiled now (cached): a bad schema fails here
             self.structured.compile(params.structured_outputs)
-        rid = request_id if request_id is not None else str(next(self._request_ids))
-        if rid in self.requests:
-            raise InvalidValueError(f"request id {rid!r} is already in use")
-        seqs = [Sequence(ids, params, self.plan.block_size) for _ in range(params.n)]
-        for i, s in enumerate(seqs):
-            s.index, s.request_id = i, rid
-            if i and self.plan.enable_prefix_caching:
-                s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
+        seqs = req.seqs
+        for s in seqs[1:] if self.plan.enable_prefix_caching else ():
+            s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
         self.scheduler.check_admission(seqs[0])
-        return Request(rid, text, ids, params, [Completion(s, self.tokenizer, final_only) for s in seqs],
-                       RequestMetrics(time.perf_counter()),
-                       None if params.prompt_logprobs is None else [None] * len(ids))
+        return req
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -276,14 +270,7 @@ class LLMEngine:
         inp, sample_seqs = self.inputs.build(out.scheduled)  # (the sequence of each sampled row)
         sampling = self.sampling.batch(sample_seqs)
         prompt_rows = self.inputs.last_prompt_rows
-        wanted, k = None, None if sampling is None else sampling.num_logprobs  # (None: no row is sampled)
-        if k is not None or prompt_rows:  # a request asked for logprobs
-            from nanoengine.layers.logprobs import LogprobsWanted
-
-            wanted = LogprobsWanted(k, self.config.logprobs_mode)
-            if prompt_rows:
-                wanted.prompt_targets = torch.tensor(self.inputs.last_prompt_targets)  # [P]
-                wanted.prompt_k = max(r.seq.sampling_params.prompt_logprobs for r in prompt_rows)
+        wanted = self.logprobs.wanted(sampling, prompt_rows, self.inputs.last_prompt_targets)  # (None: none)
         mask = self.grammars.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
             mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
@@ -306,50 +293,13 @@ class LLMEngine:
             update = self.scheduler.update(step.scheduled, tokens)
             step.scheduled.updated = True  # from here on the step is done: a later error does not undo it
             self.grammars.advance(update.appended)  # the grammars' matchers take the tokens put in place
-            if step.forward is not None:
-                self.add_logprobs(step, update)
+            self.logprobs.deliver(step, update, self.requests)  # the logprobs to the requests that asked
             t_updated = time.perf_counter()
             deltas = self.detokenize(update, t_known)
             t_end = time.perf_counter()
             finished = self.note_times(step, update, t_end)
             stats = self.record(step, update, t_wait, t_known, t_updated, t_end)
         return StepResult(deltas, update.appended, finished, stats)
-
-    def add_logprobs(self, step: LaunchedStep, update: StepUpdate) -> None:
-        """The step's logprobs to the requests that asked: each generated token's to its Completion, each
-        prompt token's to its Request (a preempted prompt computed again writes the same entries again)."""
-        forward, requests = step.forward, self.requests
-        if forward.sampled_logprobs is not None:
-            rows = forward.sampled_logprobs.rows()
-            for (seq, new), row in zip(update.appended, update.rows):
-                completion = requests[seq.request_id].completions[seq.index]
-                if completion.logprobs is None:
-                    continue
-                k = seq.sampling_params.logprobs
-                for token, (logprob, rank, top_ids, top_logprobs) in zip(new, rows[row:row + len(new)]):
-                    completion.logprobs.append(self.position_logprobs(token, logprob, rank, top_ids[:k],
-                                                                      top_logprobs[:k]))
-                    completion.token_logprobs.append(logprob)
-        if step.prompt_rows:
-            rows, at = forward.prompt_logprobs.rows(), 0
-            for seq, first, count in step.prompt_rows:
-                req = requests.get(seq.request_id)
-                if req is not None:  # (None: aborted meanwhile)
-                    k, ids = seq.sampling_params.prompt_logprobs, req.prompt_token_ids
-                    for i, (logprob, rank, top_ids, top_logprobs) in enumerate(rows[at:at + count], first):
-                        req.prompt_logprobs[i] = self.position_logprobs(ids[i], logprob, rank, top_ids[:k],
-                                                                        top_logprobs[:k])
-                at += count
-
-    def position_logprobs(self, token: int, logprob: float, rank: int, top_ids: list[int],
-                          top_logprobs: list[float]) -> PositionLogprobs:
-        """One position's entry: its own token first, then the top k (a token in both appears once)."""
-        texts = self.token_texts
-        entry = {token: Logprob(logprob, rank, texts(token))}
-        for r, (t, value) in enumerate(zip(top_ids, top_logprobs), 1):
-            if t not in entry:
-                entry[t] = Logprob(value, r, texts(t))
-        return entry
 
     def detokenize(self, update: StepUpdate, sampled_at: float) -> list[TextDelta]:
         """Each sequence's new tokens to its Completion: the text deltas. A completion whose text reached a

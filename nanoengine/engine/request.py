@@ -4,11 +4,13 @@
 
 A request asks for `n` completions of one prompt. Each completion is one `Sequence` (the scheduler's view:
 tokens, blocks, status) plus a `Completion` (the user's view: the detokenizer, the text so far, and stop
-strings). `Completion.push(tokens, finished)` is the one place sampled tokens become text.
+strings). `Completion.push(tokens, finished)` is the one place sampled tokens become text. `new_request`
+makes a checked Request (any engine's `make_request` starts from it: engine/protocol.py).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +175,21 @@ class Request:
                              [c.output() for c in self.completions], self.finished, self.metrics,
                              first.num_prompt_cached_tokens or 0,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+
+
+def new_request(prompt: Any, params: SamplingParams | None, tokenizer: Any, vocab_size: int, request_id: str,
+                block_size: int = 16, final_only: bool = False) -> Request:
+    """A checked Request of `params.n` completions of `prompt` (a string, token ids or a vLLM-style dict),
+    each a Sequence (in blocks of `block_size`) and its Completion; what every engine's `make_request`
+    starts from (engine/protocol.py). final_only: its text is read only once it is done (see Completion)."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise InvalidTypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    text, ids = parse_prompt(prompt, tokenizer, vocab_size)
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    seqs = [Sequence(ids, params, block_size) for _ in range(params.n)]
+    for i, s in enumerate(seqs):
+        s.index, s.request_id = i, request_id
+    return Request(request_id, text, ids, params, [Completion(s, tokenizer, final_only) for s in seqs],
+                   RequestMetrics(time.perf_counter()),
+                   None if params.prompt_logprobs is None else [None] * len(ids))

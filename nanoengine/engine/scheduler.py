@@ -399,21 +399,8 @@ class Scheduler:
 
     def stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, the stop token id that caused it) after `token` was appended;
-        (None, None) = go on. A stop id is never drawn before `min_tokens`, as in vLLM (the step's logits mask
-        holds it back: nanoengine/engine/logits_masks.py), but for a grammar that can only end there: so one
-        that comes stops."""
-        sp = seq.sampling_params
-        known = len(seq.token_ids)
-        completion = known - seq.num_prompt_tokens
-        if token in sp.stop_token_ids:
-            return "stop", token
-        if not sp.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if sp.max_tokens is not None and completion >= sp.max_tokens:
-            return "length", None
-        if known >= self._max_len:
-            return "length", None
-        return None, None
+        (None, None) = go on (the rules: `Sequence.check_stop`)."""
+        return seq.check_stop(token, self.eos_token_ids, self._max_len)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_dropped: int = 0) -> bool:

@@ -101,6 +101,24 @@ class Sequence:
         return (self.num_tokens - self.num_computed_tokens > 1
                 or self.num_computed_tokens < self.num_prompt_tokens)
 
+    def check_stop(self, token: int, eos_token_ids: set[int], max_len: int) -> tuple[str | None, int | None]:
+        """The stop rules, once `token` was appended: (finish reason, the stop token id that caused it), or
+        (None, None) to go on. "stop" for a stop token id, or an end-of-sequence id unless ignore_eos (neither
+        is drawn before `min_tokens`, as in vLLM: the step's logits mask holds them back,
+        nanoengine/engine/logits_masks.py; but for a grammar that can only end there, so one that comes
+        stops); "length" at max_tokens or at `max_len` tokens in all (the longest a sequence may grow)."""
+        sp = self.sampling_params
+        known = len(self.token_ids)
+        if token in sp.stop_token_ids:
+            return "stop", token
+        if not sp.ignore_eos and token in eos_token_ids:
+            return "stop", None
+        if sp.max_tokens is not None and known - self.num_prompt_tokens >= sp.max_tokens:
+            return "length", None
+        if known >= max_len:
+            return "length", None
+        return None, None
+
     def block_tokens(self, i: int) -> list[int]:
         """Token ids held by logical block i."""
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]

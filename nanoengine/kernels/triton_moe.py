@@ -1,4 +1,4 @@
-"""Triton kernels: the fused mixture-of-experts forward, as vLLM's fused_moe does it. Chapter 10 (issue 41).
+"""Triton kernels: the fused mixture-of-experts forward, as vLLM's fused_moe does it. Chapter 10.
 
 `triton_fused_experts(x, weights, ids, w13, w2)` computes what `layers.moe.grouped_experts` does,
 sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), in three steps:

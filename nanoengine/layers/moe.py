@@ -1,5 +1,5 @@
 """Mixture of experts: a router picks top_k of E SwiGLU experts per token, and their outputs are summed with
-the router's weights (Qwen3-MoE; issue 41, chapter 10 to come).
+the router's weights (Qwen3-MoE; chapter 10).
 
     logits = x @ gate^T                      # [T, E]
     probs  = softmax(logits in float32)      # [T, E]

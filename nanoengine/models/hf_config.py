@@ -4,7 +4,7 @@ Configs differ in how they spell things: `head_dim` may be missing (then it is h
 moved into `rope_parameters` in transformers 5, the checkpoint dtype is `dtype` or `torch_dtype`. The model,
 the model runner's KV-cache sizing, the benchmark's roofline and the book all ask here.
 
-A mixture-of-experts config (Qwen3-MoE, issue 41) adds its routing facts, read and checked by `moe_config`:
+A mixture-of-experts config (Qwen3-MoE) adds its routing facts, read and checked by `moe_config`:
 every field the engine does not implement (shared experts, dense layers among the sparse ones, an activation
 other than SiLU) is a CheckpointError naming the field, never silently ignored.
 """

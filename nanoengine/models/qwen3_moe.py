@@ -1,5 +1,5 @@
 """Qwen3-MoE (Qwen3-30B-A3B's architecture): Qwen3's attention, and in every decoder layer a mixture of
-SwiGLU experts in place of the dense MLP (layers/moe.py). Issue 41; chapter 10 to come.
+SwiGLU experts in place of the dense MLP (layers/moe.py). Chapter 10.
 
 The config's MoE fields are read and checked once (`hf_config.moe_config`): a field the engine does not
 implement (shared experts, dense layers among the sparse ones) is a CheckpointError when the model is built.

@@ -1,15 +1,17 @@
-"""AsyncEngine: one background thread steps the `LLMEngine`; HTTP handlers talk to it through queues.
-Chapter 05 (appendix).
+"""AsyncEngine: one background thread steps the engine; HTTP handlers talk to it through queues.
+Chapter 05 (appendix). The engine is an `LLMEngine`, or any that speaks the engine protocol
+(nanoengine/engine/protocol.py: `nanoengine serve --engine module:factory`).
 
 The engine is not thread-safe, so only the engine thread touches it. A handler `submit`s prompts and
 SamplingParams through a thread-safe command queue and awaits their acceptance: the engine thread runs
 `make_request` for every prompt (tokenizing, checking, admission), so a bad request fails before any of it is
 queued, with the engine's own error. Then the handler reads events (new text, finished choices) from its
 `RequestStream`, an asyncio queue that the engine thread fills after every step (one `call_soon_threadsafe`
-per step for all streams); `messages.py` has both kinds of message. The engine thread steps whenever there
-is work and sleeps on the command queue when there is none. With logprobs, each event carries those of the
-tokens put in place since its choice's last event, and a choice's first event the prompt's; with echo, the
-engine thread (the tokenizer's one user) decodes each prompt's text and first token for the handler.
+per step for all streams); `messages.py` has both kinds of message, `live.py` each request's record. The
+engine thread steps whenever there is work and sleeps on the command queue when there is none. With logprobs,
+each event carries those of the tokens put in place since its choice's last event, and a choice's first event
+the prompt's; with echo, the engine thread (the tokenizer's one user) decodes each prompt's text and first
+token for the handler.
 Scheduling, stop rules and detokenization are the engine's (`LLMEngine.step`); nothing here re-decides them.
 `abort(stream)` (its client went away) frees its blocks within one step; `begin_shutdown(grace_s)` refuses
 new requests and aborts the in-flight ones still running after `grace_s` (their streams end with
@@ -33,20 +35,19 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.serve.faults import FAULT_ENV, injected_fault
 from nanoengine.serve.limits import ServerLimits
+from nanoengine.serve.live import Live
 from nanoengine.serve.messages import (
     Abort,
     AddRequests,
     Call,
     ChatPrompt,
     ChoiceDone,
-    Delta,
     EngineStepError,
     Failed,
     RequestDone,
@@ -60,26 +61,12 @@ from nanoengine.trace import RunTrace
 
 if TYPE_CHECKING:  # the engine (and torch) load where one is built, not in the data-parallel front end
     from nanoengine.engine.llm_engine import LLMEngine
-    from nanoengine.engine.request import Request
     from nanoengine.engine.step import StepResult
 
 log = logging.getLogger("nanoengine.serve")
 flag = ServerLimits.flag  # a limit's `nanoengine serve` flag, for messages
 IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before looking again
 MAX_TRACE_STEPS = 5_000  # a traced server stops recording after this many steps (each keeps a snapshot)
-
-
-@dataclass
-class _Live:
-    """The engine thread's record of one engine request."""
-
-    request: Request
-    stream: RequestStream
-    prompt_index: int
-    reported: set[int] = field(default_factory=set)  # completion indices whose ChoiceDone was sent
-    logprobs_sent: dict[int, int] = field(default_factory=dict)  # completion index -> positions sent
-    prompt_sent: set[int] = field(default_factory=set)  # completion indices sent the prompt's logprobs
-    num_tokens: int = 0  # completion tokens counted so far (for the generation-tokens metric)
 
 
 class AsyncEngine:
@@ -94,12 +81,12 @@ class AsyncEngine:
         self._fault = injected_fault()
         # first-token deadlines in arrival order, with the request ids only: a finished stream is not kept
         self._deadlines: deque[tuple[float, list[str]]] = deque()
-        self.metrics = metrics or ServerMetrics(llm_engine.config.model)
+        self.metrics = metrics or ServerMetrics(getattr(getattr(llm_engine, "config", None), "model", ""))
         self.metrics.on_plan(llm_engine.plan, llm_engine.load().num_blocks)
         self.trace_enabled = trace
         self.trace: RunTrace | None = None  # the step trace, when recording one (--trace)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}  # engine request id -> its record (engine thread only)
+        self._live: dict[str, Live] = {}  # engine request id -> its record (engine thread only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False  # no new requests
@@ -295,7 +282,7 @@ class AsyncEngine:
             if add.echo:
                 decode = eng.tokenizer.decode
                 stream.echo = [(r.prompt if r.prompt is not None else decode(r.prompt_token_ids),
-                                eng.token_texts(r.prompt_token_ids[0])) for r in reqs]
+                                decode(r.prompt_token_ids[:1])) for r in reqs]
         except Exception as e:  # noqa: BLE001 - the engine's error (bad prompt, too long) goes to the handler
             self._resolve(stream.accepted, error=e)
             return
@@ -317,7 +304,7 @@ class AsyncEngine:
         for i, req in enumerate(reqs):
             req.metrics.arrival_time = add.arrival  # when the HTTP request came, not when this thread saw it
             eng.add(req)
-            self._live[req.request_id] = _Live(req, stream, i)
+            self._live[req.request_id] = Live(req, stream, i)
             stream.request_ids.append(req.request_id)
             self.metrics.on_admitted(len(req.prompt_token_ids) * params.n)  # per sequence, as hits count
         if limits.first_token_timeout_s is not None:
@@ -355,7 +342,7 @@ class AsyncEngine:
         self._deliver(list(batch.values()))
         self._publish(None)
 
-    def _finish(self, live: _Live, aborted: bool = False) -> RequestOutput:
+    def _finish(self, live: Live, aborted: bool = False) -> RequestOutput:
         req = live.request
         out = req.output()
         self.llm_engine.abort(req.request_id)  # frees its blocks (a finished request only lets go)
@@ -367,7 +354,7 @@ class AsyncEngine:
         """After a step (its StepResult) or idle: send every stream its new events, update the metrics."""
         eng, batch = self.llm_engine, []
         stats = None if result is None else result.stats
-        if stats is not None:
+        if result is not None:  # (deltas and tokens; an engine of one's own may keep no stats)
             texts: dict[str, list[tuple[int, str]]] = {}
             for req, index, text in result.deltas:
                 texts.setdefault(req.request_id, []).append((index, text))
@@ -377,47 +364,17 @@ class AsyncEngine:
                 live = self._live.get(rid)
                 if live is None:  # aborted meanwhile
                     continue
-                events = self._events(live, texts.get(rid, ()))
+                events, tokens = live.events(texts.get(rid, ()))
+                self.metrics.on_tokens(tokens)
                 if live.request.finished:
                     del self._live[rid]
                     events.append(RequestDone(live.prompt_index, self._finish(live)))
                 if events:
                     batch.append((live.stream, events))
             self._deliver(batch)
-            if eng.trace is not None and len(eng.trace.steps) >= MAX_TRACE_STEPS:
+            trace = getattr(eng, "trace", None)  # (recording: --trace)
+            if trace is not None and len(trace.steps) >= MAX_TRACE_STEPS:
                 log.warning("nanoengine serve: the trace reached %d steps; it stops recording",
                             MAX_TRACE_STEPS)
                 eng.stop_trace()
         self.metrics.on_step(stats, *eng.load())
-
-    def _events(self, live: _Live, texts: Any) -> list[Any]:
-        """One request's new text (the engine's deltas) and newly finished choices, in that order."""
-        n = live.stream.n
-        events: list[Any] = [Delta(live.prompt_index * n + i, text, *self._logprobs(live, i))
-                             for i, text in texts]
-        tokens = 0
-        for c in live.request.completions:
-            seq = c.seq
-            tokens += seq.num_completion_tokens
-            if seq.is_finished and seq.index not in live.reported:
-                live.reported.add(seq.index)
-                events.append(ChoiceDone(live.prompt_index * n + seq.index, seq.finish_reason,
-                                         seq.stop_reason, *self._logprobs(live, seq.index)))
-        self.metrics.on_tokens(tokens - live.num_tokens)
-        live.num_tokens = tokens
-        return events
-
-    @staticmethod
-    def _logprobs(live: _Live, index: int) -> tuple[list | None, list | None]:
-        """Completion `index`'s logprobs not sent yet (those of its tokens in place, None without
-        SamplingParams.logprobs), and the prompt's on its first event (None without prompt_logprobs)."""
-        req = live.request
-        new = prompt = None
-        if req.params.logprobs is not None:
-            c = req.completions[index]
-            start, end = live.logprobs_sent.get(index, 0), min(len(c.logprobs), c.seq.num_completion_tokens)
-            new, live.logprobs_sent[index] = c.logprobs[start:end], max(start, end)
-        if req.params.prompt_logprobs is not None and index not in live.prompt_sent:
-            live.prompt_sent.add(index)
-            prompt = list(req.prompt_logprobs or ())
-        return new, prompt

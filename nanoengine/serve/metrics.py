@@ -78,7 +78,7 @@ class ServerMetrics:
     def on_plan(self, plan: Any, num_blocks: int) -> None:
         """The engine's plan (block size, prefix caching, batch size) and its KV pool, as labels."""
         values = {**{k: getattr(plan, k) for k in CACHE_CONFIG if hasattr(plan, k)}, "num_blocks": num_blocks}
-        self.cache_config.labels(**{k: str(values[k]) for k in CACHE_CONFIG}).set(1)
+        self.cache_config.labels(**{k: str(values.get(k, "")) for k in CACHE_CONFIG}).set(1)  # (what it has)
 
     def on_refused(self, reason: str) -> None:
         """reason: body_too_large, n, prompt_tokens, queue_full, first_token_timeout, unread_chunks or

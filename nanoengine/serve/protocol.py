@@ -507,28 +507,31 @@ class ModelList(BaseModel):
 
 class ServerInfo(BaseModel):
     """GET /server_info: what the engine was planned with (vLLM has this route too). The data-parallel front
-    end reads its replicas' block size and batch size here."""
+    end reads its replicas' block size and batch size here. An engine of one's own (engine/protocol.py)
+    states what it has; the rest is null."""
     model: str  # the served name
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    block_size: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     num_kv_blocks: int
-    enable_prefix_caching: bool
-    device: str
-    dtype: str
-    attention_backend: str
-    tensor_parallel_size: int
-    decode_mode: str
-    async_scheduling: bool
-    quantization: str
+    enable_prefix_caching: bool | None = None
+    device: str | None = None
+    dtype: str | None = None
+    attention_backend: str | None = None
+    tensor_parallel_size: int | None = None
+    decode_mode: str | None = None
+    async_scheduling: bool | None = None
+    quantization: str | None = None
 
     @classmethod
     def of(cls, model_name: str, plan: Any, num_kv_blocks: int) -> ServerInfo:
-        """From the engine's plan (an EnginePlan) and its KV pool."""
+        """From the engine's plan (an EnginePlan, or the facts an engine of one's own states) and its KV
+        pool."""
         planned = {name: getattr(plan, name) for name in cls.model_fields if hasattr(plan, name)}
-        return cls(**{**planned, "model": model_name, "num_kv_blocks": num_kv_blocks,
-                      "decode_mode": str(plan.decode_mode)})
+        if "decode_mode" in planned:
+            planned["decode_mode"] = str(planned["decode_mode"])
+        return cls(**{**planned, "model": model_name, "num_kv_blocks": num_kv_blocks})
 
 
 class ErrorInfo(BaseModel):

@@ -99,7 +99,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     /v1 routes and /server_info (and /metrics with protect_metrics) need it; parsers: how chats' thinking and
     tool calls are read (none by default)."""
     llm_engine = async_engine.llm_engine  # read here, before its thread starts (the plan never changes)
-    info = ServerInfo.of(model_name, llm_engine.plan, llm_engine.block_manager.num_blocks)
+    info = ServerInfo.of(model_name, llm_engine.plan, llm_engine.load().num_blocks)
     app = FastAPI(title="nanoengine", lifespan=_lifespan(async_engine))
     limits = async_engine.limits
     if limits.max_body_bytes is not None:
@@ -254,11 +254,22 @@ async def submit(async_engine: AsyncEngine, body: Any, prompts: list[Any], param
     whose `param` is the request field that asked for it (response_format, structured_outputs, guided_*)."""
     try:
         if params.structured_outputs is not None:
-            await asyncio.to_thread(async_engine.llm_engine.structured.compile, params.structured_outputs)
+            await asyncio.to_thread(grammars(async_engine, body.structured_field()).compile,
+                                    params.structured_outputs)
         return await async_engine.submit(prompts, params, request_id, **kwargs)
     except StructuredOutputsError as e:
         e.param = body.structured_field() or ("tools" if getattr(body, "tools", None) else e.param)
         raise
+
+
+def grammars(async_engine: AsyncEngine, param: str | None) -> Any:
+    """The engine's structured outputs (what compiles a request's grammar); a 400 naming `param` for an engine
+    that has none (an engine of one's own: nanoengine/engine/protocol.py)."""
+    found = getattr(async_engine.llm_engine, "structured", None)
+    if found is None:
+        raise ProtocolError("this engine does not support structured outputs (grammars, forced tool calls); "
+                            "leave them out", param or "structured_outputs")
+    return found
 
 
 async def check_tool_schemas(async_engine: AsyncEngine, tools: list[dict]) -> None:
@@ -266,7 +277,7 @@ async def check_tool_schemas(async_engine: AsyncEngine, tools: list[dict]) -> No
     compile is a 400 naming `tools`, whatever the tool_choice."""
     for i, grammar in parameters_grammars(tools):
         try:
-            await asyncio.to_thread(async_engine.llm_engine.structured.compile, grammar)
+            await asyncio.to_thread(grammars(async_engine, "tools").compile, grammar)
         except StructuredOutputsError as e:
             raise ProtocolError(f"tools[{i}].function.parameters: {e}", "tools") from None
 
@@ -283,8 +294,8 @@ def check_n(params: Any, async_engine: AsyncEngine) -> Any:
 def check_logprobs(k: int | None, param: str, async_engine: AsyncEngine) -> None:
     """k top logprobs per token, at most the engine's max_logprobs (the engine refuses more too; this names
     the server's flag)."""
-    limit = async_engine.llm_engine.config.max_logprobs
-    if k is not None and k > limit:
+    limit = getattr(getattr(async_engine.llm_engine, "config", None), "max_logprobs", None)
+    if k is not None and limit is not None and k > limit:
         raise ProtocolError(f"{param}={k} is more than this server's max_logprobs ({limit}); ask for at most "
                             f"{limit}, or start the server with {engine_flag('max_logprobs')} {k}", param)
 

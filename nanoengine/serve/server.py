@@ -40,11 +40,13 @@ class Server:
                  served_model_name: str | None = None, trace: bool = False, shutdown_grace_s: float = 2.0,
                  log_level: str = "info", engine_options: dict[str, Any] | None = None,
                  api_key: str | None = None, protect_metrics: bool = False,
-                 limits: ServerLimits | None = None, parsers: ParserOptions | None = None) -> None:
+                 limits: ServerLimits | None = None, parsers: ParserOptions | None = None,
+                 engine: str | None = None) -> None:
         """api_key: the key every /v1 request must bear (`Authorization: Bearer <key>`; /metrics too with
         protect_metrics); None: no key, and a warning when the address is reachable from other machines.
         limits: what one request and the queue may be (ServerLimits; its defaults when None). parsers: how
         chats' thinking and tool calls are read (ParserOptions: --reasoning-parser, --tool-call-parser)."""
+        from nanoengine.engine.protocol import load_engine
         from nanoengine.launch import build_engine
         from nanoengine.serve.metrics import ServerMetrics
 
@@ -59,8 +61,9 @@ class Server:
         if (launch := launcher.launched()) is not None and launch.rank != 0:  # torchrun: rank 0 alone listens
             build_engine(model, **(engine_options or {}))  # serves rank 0's steps, then exits the process
         self.sock = bind_socket(host, port)
-        try:
-            self.llm_engine = build_engine(model, **(engine_options or {}))
+        try:  # ours, or an engine of one's own (`engine`: module:factory; nanoengine/engine/protocol.py)
+            self.llm_engine = (build_engine(model, **(engine_options or {})) if engine is None
+                               else load_engine(engine, model, **(engine_options or {})))
         except BaseException:
             self.sock.close()
             raise
@@ -87,8 +90,8 @@ class Server:
     def describe(self) -> str:
         """The startup line: the served name, the URL, the engine's device and dtype, its KV blocks."""
         plan = self.llm_engine.plan
-        device, dtype = plan.device, plan.dtype
-        blocks = self.llm_engine.block_manager.num_blocks
+        device, dtype = getattr(plan, "device", "?"), getattr(plan, "dtype", "?")
+        blocks = self.llm_engine.load().num_blocks
         return f"{self.name} on {self.url} ({device}, {dtype}, {blocks} KV blocks)"
 
     def run(self) -> int:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 # c before the engine has measured it (`StepCost`): a verification of 1 + k rows of one sequence costs about
 # (1 + c·k) plain decode steps at one stream. Measured on a 2-core AVX2 EPYC, SmolLM2-135M, with the
-# small-batch kernels' register tiles (issue 40): a step of 1 + 4 rows 1.26x a decode with bf16 weight
+# small-batch kernels' register tiles: a step of 1 + 4 rows 1.26x a decode with bf16 weight
 # copies (c = 0.065), 1.9x with int8 (c = 0.22); before them c was ~0.4. Too large a c gives up drafts that
 # pay; too small, verifies drafts that do not.
 VERIFY_ROW_COST = 0.15
