@@ -302,15 +302,20 @@ def test_the_driver_exiting_or_interrupted_leaves_no_orphan(how, tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, how], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (worker,) = map(int, proc.stdout.readline().split())
-    if how == "ctrl-c":
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) != 0 if how == "ctrl-c" else proc.wait(30) == 0
-    deadline = time.monotonic() + 5
-    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{worker}"), f"worker {worker} outlived its driver ({how})"
+    try:
+        (worker,) = map(int, proc.stdout.readline().split())
+        if how == "ctrl-c":
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) != 0 if how == "ctrl-c" else proc.wait(30) == 0
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{worker}"), f"worker {worker} outlived its driver ({how})"
+    finally:  # a failure here must not leave the driver running into the next test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 UNGUARDED = """

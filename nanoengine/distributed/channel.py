@@ -14,7 +14,8 @@ One interface, two ways:
   machine (`python -m nanoengine.bench.tp_launch`), a step cost the same within the noise.
 The messages are small dataclasses, pickled: `Start` first (rank 0's sys.path and plan), then one `Call` per
 step or RPC (a ModelRunner method's name, or a function, and its arguments, with every tensor copied to host
-memory by `to_device`), and `Shutdown` last; a local worker answers over its pipe with a `Reply` or an
+memory by `to_device`: a step's inputs from the input builder's host buffers, never back from the device),
+and `Shutdown` last; a local worker answers over its pipe with a `Reply` or an
 `ErrorReply` (its traceback).
 """
 

@@ -12,12 +12,13 @@ raises here, with the failed worker's traceback (`WorkerError`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from nanoengine.distributed.launcher import Launched
-from nanoengine.distributed.workers import LauncherRanks, LocalWorkers
+from nanoengine.distributed.workers import HOLD_S, LauncherRanks, LocalWorkers
 from nanoengine.engine.executor import Executor, call_on
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
@@ -29,10 +30,14 @@ class MultiprocExecutor(Executor):
     def __init__(self, plan: EnginePlan, parts: EngineParts, launch: Launched | None = None) -> None:
         # started (or joined); they build their runners while rank 0 builds its own
         self.workers = LocalWorkers(plan) if launch is None else LauncherRanks(plan, launch)
-        with self.workers.lockstep():
-            self.runner = ModelRunner(plan, parts, self.workers.group, self.workers.local_rank)
-        self.sampler = parts.sampler
-        self.start_thread(plan)
+        try:
+            with self.workers.lockstep():
+                self.runner = ModelRunner(plan, parts, self.workers.group, self.workers.local_rank)
+            self.sampler = parts.sampler
+            self.start_thread(plan)
+        except BaseException:  # (Ctrl-C included) no engine: stop them now, not when the traceback is dropped
+            self.workers.close()
+            raise
 
     def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         with self.workers.lockstep():
@@ -44,6 +49,17 @@ class MultiprocExecutor(Executor):
             self.workers.send(method, args, reply=True)
             mine = call_on(self.runner, method, args)
             return [mine, *self.workers.replies()]
+
+    def settle(self) -> None:
+        """After a failed step (Ctrl-C included) with overlap on CPU: the steps on the forward thread get
+        HOLD_S to end; one that does not (a rank is stuck) is abandoned: the workers are stopped, so its
+        collectives fail now instead of holding this thread (and the interpreter's exit) forever."""
+        if self.thread is not None:
+            try:
+                self.thread.submit(lambda: None).result(timeout=HOLD_S)
+            except FutureTimeout:
+                self.workers.abandon()
+        super().settle()
 
     def stop_ranks(self) -> None:
         self.workers.close()

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: the loop every rank but 0 runs (`serve_calls`), the program rank 0 starts for
-its local workers (`python -m nanoengine.distributed.worker FD RANK PORT THREADS`), and what a launcher's
-ranks 1..N-1 do inside `LLM(...)` (`serve_launched_rank`). Chapter 07.
+its local workers (`python -m nanoengine.distributed.worker FD RANK PORT THREADS PARENT`), and what a
+launcher's ranks 1..N-1 do inside `LLM(...)` (`serve_launched_rank`). Chapter 07.
 
 `serve_calls` builds the rank's ModelRunner from rank 0's plan, then runs rank 0's calls in order until it
 is told to stop (or rank 0 goes away); it reads them from a `Channel` (channel.py), so it is the same loop for
@@ -12,14 +12,19 @@ imported again in a worker: a script that builds a tensor-parallel `LLM` at top 
 `if __name__ == "__main__":`, works as vLLM users write it. FD is this process's end of a socket pair with
 rank 0; the first message on it carries rank 0's sys.path and plan: with that path, a function
 `collective_rpc` sends by name is importable here as it is there (its module, not the script: a function
-defined in the script itself is refused by rank 0).
+defined in the script itself is refused by rank 0). PARENT is rank 0's pid: a local worker ends when rank 0
+does (`exit_with`), and rank 0 starts it in a process group of its own, so a Ctrl-C at the terminal (or a
+notebook's interrupt, sent to the kernel's process group) reaches rank 0 alone, which stops it.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -68,17 +73,35 @@ def serve_launched_rank(plan: Any, launch: launcher.Launched) -> None:
     raise SystemExit(0 if told_to_stop else 1)
 
 
+def exit_with(parent: int) -> None:
+    """End this process (status 1) as soon as rank 0, its parent, has ended: its sockets closing already
+    fail a wait on them, but not when another process holds them too (one the user's code forked)."""
+    if os.getppid() != parent:  # it ended before we looked
+        os._exit(1)
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(parent)  # readable once it has ended (Linux)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):  # elsewhere: look now and then
+            while os.getppid() == parent:
+                time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanoengine-rank0-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us cleanly
     conn = Connection(int(argv[1]))
-    rank, port, threads = map(int, argv[2:5])
+    rank, port, threads, parent = map(int, argv[2:6])
+    exit_with(parent)
     channel = PipeChannel([conn])
     try:
         start = channel.receive()
     except EOFError:
         return  # rank 0 went away before sending anything
     import torch
-    import torch.distributed as dist
 
     from nanoengine.distributed.group import init_process_group
 
@@ -92,9 +115,10 @@ def main(argv: list[str]) -> None:
             channel.post_error(traceback.format_exc())
         finally:
             os._exit(1)
-    serve_calls(plan, rank, group, channel, rank)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    told_to_stop = serve_calls(plan, rank, group, channel, rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if told_to_stop else 1)  # at once: tearing torch down here only keeps rank 0 waiting
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ Failure is loud and quick:
   same way, or, for a local worker, before the next step by its exit;
 - after any failure the others are stopped (a launcher's ranks: rank 0 leaves the group, so their next
   collective fails and they exit), so nothing hangs and no process is orphaned;
-- Ctrl-C during a step is held until the step ends, so that the ranks never fall out of step; local workers
-  ignore it themselves (the terminal sends it to them too) and rank 0 stops them.
+- Ctrl-C during a step is held until the step ends, so that the ranks never fall out of step, for at most
+  HOLD_S: a step that has not ended by then (or a second Ctrl-C) is abandoned, the workers are killed, and the
+  engine is broken (build a new LLM); local workers run in a process group of their own, so the terminal's
+  Ctrl-C reaches rank 0 alone, and each ends when rank 0 does.
 The ranks stop on `close()`, when the engine is garbage-collected, and at interpreter exit.
 """
 
@@ -59,26 +61,67 @@ from nanoengine.distributed.channel import (
 )
 from nanoengine.distributed.exits import exit_status
 from nanoengine.distributed.group import ALREADY_IN_A_GROUP, COLLECTIVE_TIMEOUT, init_process_group
+from nanoengine.engine.inputs import ModelInput
 from nanoengine.errors import InvalidValueError, WorkerError
 
 STARTUP_TIMEOUT_S = 120  # a worker must be up (imports done) within this
 
 
+HOLD_S = 3.0  # how long Ctrl-C waits for the step (or start-up) in progress to end before abandoning it
+
+
 @contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends, then deliver it (main thread only: signals arrive there)."""
+def sigint_held(abandon: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, then deliver it (main thread only: signals arrive there); but at
+    most HOLD_S: a block still running then (a kernel built on first use, a long prefill on a busy machine, a
+    rank that is stuck) is abandoned: `abandon()` runs (it stops the other ranks, so that a collective waiting
+    on them fails at once) and KeyboardInterrupt is raised inside the block. A second Ctrl-C abandons at once.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    lock = threading.Lock()
+    state: dict[str, Any] = {"frame": None, "timer": None, "expired": False, "done": False, "pending": False}
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        with lock:
+            state["pending"] = False  # (the expiry's interrupt, if it sent one, is this call)
+            if state["done"]:  # as the block ended: one Ctrl-C is delivered below anyway
+                return
+            first = state["frame"] is None
+            state["frame"] = state["frame"] or frame
+            if first and not state["expired"]:
+                timer = state["timer"] = threading.Timer(HOLD_S, expire)
+                timer.daemon = True
+                timer.start()
+                return
+        abandon()  # a second Ctrl-C, or the first one held too long
+        raise KeyboardInterrupt
+
+    def expire() -> None:  # the timer's thread
+        with lock:
+            if state["done"]:
+                return
+            state["expired"] = True
+            abandon()  # from here: a collective the main thread waits in fails now
+            state["pending"] = True  # then on_sigint raises in the main thread (a wait there ends: EINTR)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
     finally:
+        with lock:
+            state["done"] = True
+            if state["timer"] is not None:
+                state["timer"].cancel()
+        deadline = time.monotonic() + 1  # the expiry's interrupt reaches on_sigint, not the handler restored
+        while state["pending"] and time.monotonic() < deadline:
+            time.sleep(0.001)
         signal.signal(signal.SIGINT, previous)
-        if caught:
+        if state["frame"] is not None:
             if callable(previous):
-                previous(signal.SIGINT, caught[0])  # the default handler raises KeyboardInterrupt
+                previous(signal.SIGINT, state["frame"])  # the default handler raises KeyboardInterrupt
             elif previous == signal.SIG_DFL:
                 raise KeyboardInterrupt
 
@@ -89,9 +132,12 @@ class Ranks(ABC):
     error: str | None = None  # why the group broke, once it has
 
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
-        """Send one call to every other rank (tensors travel by value, through host memory)."""
+        """Send one call to every other rank (tensors travel by value, through host memory). A step's
+        ModelInput goes as the input builder's host copy of it (`ModelInput.host_side`): copying its device
+        tensors back would wait for the step in flight, and the host could never run ahead (overlap)."""
         self.check()
         self.check_sendable(method)
+        args = tuple(a.host_side() if isinstance(a, ModelInput) else a for a in args)
         self.deliver(Call(method, to_device(args, "cpu", copy=True), reply))
 
     def check_sendable(self, method: str | Callable) -> None:  # noqa: B027 - a hook: nothing to refuse here
@@ -131,18 +177,40 @@ class Ranks(ABC):
     def lockstep(self) -> Iterator[None]:
         """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the
         group: a collective fails when a peer died or raised (then the peer's own error is what we raise), and
-        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way."""
-        with sigint_held():
-            try:
-                yield
-            except WorkerError:
-                raise
-            except BaseException as e:
-                cause = self.failure(within_s=2, during=e)
-                self.broken(cause or e)
-                if cause is not None:
-                    raise cause from e
-                raise
+        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way. Ctrl-C
+        waits for the block to end (`sigint_held`); one that waited too long abandons it, which stops the
+        workers too."""
+        try:
+            with sigint_held(self.abandon):
+                try:
+                    yield
+                except WorkerError:
+                    raise
+                except BaseException as e:
+                    if self.abandoned:
+                        raise
+                    cause = self.failure(within_s=2, during=e)
+                    self.broken(cause or e)
+                    if cause is not None:
+                        raise cause from e
+                    raise
+        except BaseException:
+            if self.abandoned:  # (also when it came as the block ended)
+                if self.error is None:
+                    self.error = "interrupted (Ctrl-C) in the middle of a step"
+                self.close()
+            raise
+
+    abandoned = False  # a Ctrl-C held too long stopped the other ranks in the middle of a call
+
+    def abandon(self) -> None:
+        """Stop the other ranks now, in the middle of a call (any thread may call it: the Ctrl-C timer's)."""
+        self.abandoned = True
+        self.kill()
+
+    @abstractmethod
+    def kill(self) -> None:
+        """End the other ranks at once, wherever they are (or do nothing where they cannot be reached)."""
 
 
 class WorkerProcess:
@@ -160,8 +228,10 @@ class WorkerProcess:
         for var in launcher.VARIABLES:  # a launcher's variables are not this worker's
             env.pop(var, None)
         try:
+            # its own process group: the terminal's Ctrl-C (a notebook's interrupt) reaches rank 0 alone
             self.popen = subprocess.Popen([sys.executable, "-m", "nanoengine.distributed.worker", str(fd),
-                                           str(rank), str(port), str(threads)], pass_fds=(fd,), env=env)
+                                           str(rank), str(port), str(threads), str(os.getpid())],
+                                          pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, process_group=0)
         finally:
             os.close(fd)
         self.pid = self.popen.pid
@@ -239,7 +309,8 @@ class LocalWorkers(Ranks):
                 self.receive(i, STARTUP_TIMEOUT_S, starting=True)  # "hello": up, and joining the group
             self.group = init_process_group(plan.dist_backend, HOST, self.store.port, 0, self.size,
                                             self.store)
-        except BaseException:
+        except BaseException:  # (Ctrl-C included): they serve nothing yet, so they end at once
+            self.kill()
             self.close()
             raise
 
@@ -258,6 +329,11 @@ class LocalWorkers(Ranks):
 
     def close(self) -> None:
         self._finalizer()
+
+    def kill(self) -> None:
+        for proc in list(self.procs):
+            if proc.is_alive():
+                proc.kill()
 
     def deliver(self, message: Start | Call) -> None:
         try:
@@ -362,6 +438,10 @@ class LauncherRanks(Ranks):
 
     def leave(self) -> None:
         leave_group()
+
+    def kill(self) -> None:
+        """Nothing: the ranks may be on other machines. The launcher sends Ctrl-C to every rank, and each
+        leaves within its STOP_GRACE_S (`launcher.exit_soon_when_told`), which fails rank 0's collective."""
 
     def deliver(self, message: Start | Call) -> None:
         self.channel.send(message)

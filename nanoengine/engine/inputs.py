@@ -62,6 +62,10 @@ class ModelInput:
     # (which sampled this many)
     logprob_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: prompt rows whose logprobs a
     # request asked for (SamplingParams.prompt_logprobs); their logits follow the sampled rows'
+    # the same step in host memory, when these tensors are device copies of it (`to`): what tensor parallelism
+    # sends the other ranks, so that rank 0 never copies device tensors back (that would wait for the step in
+    # flight). Not an init field: a `dataclasses.replace`d input (other tensors) has none, and is sent as is
+    host: ModelInput | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -86,15 +90,22 @@ class ModelInput:
         return self.attn.num_decode_seqs == self.num_tokens
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
-        """The same step with its tensors on `device` (itself when they are there already)."""
+        """The same step with its tensors on `device` (itself when they are there already); moved off the
+        host, it keeps the host input as its `host`."""
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        return ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
-                          self.positions.to(device, non_blocking=non_blocking),
-                          self.attn.to(device, non_blocking),
-                          self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled,
-                          self.logprob_rows.to(device, non_blocking=non_blocking))
+        moved = ModelInput(self.input_ids.to(device, non_blocking=non_blocking),
+                           self.positions.to(device, non_blocking=non_blocking),
+                           self.attn.to(device, non_blocking),
+                           self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled,
+                           self.logprob_rows.to(device, non_blocking=non_blocking))
+        moved.host = self if self.input_ids.device.type == "cpu" else self.host
+        return moved
+
+    def host_side(self) -> ModelInput:
+        """This step in host memory: its `host` input, or itself (already on the host, or none kept)."""
+        return self if self.host is None else self.host
 
 
 class PromptRows(NamedTuple):
