@@ -22,8 +22,8 @@ from contextlib import contextmanager
 @contextmanager
 def held_interrupts() -> Iterator[None]:
     """Run the block with SIGINT deferred: a Ctrl-C that arrives meanwhile is delivered when it ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler not set from Python, which could not be put back)
         return
     caught: list[tuple[int, object]] = []
     try:
