@@ -243,19 +243,21 @@ class LLMEngine:
     def schedule_and_run(self) -> StepResult:
         """Schedule a step and launch it, then finish the step due (itself, or with overlap the one before).
         If anything raises, the committed steps not yet finished are undone (`forget_steps`)."""
-        unfinished = [self.in_flight] if self.in_flight is not None else []
+        before, out, launched = self.in_flight, None, None
         started = time.perf_counter()
         try:
             with held_interrupts():
                 out = self.scheduler.schedule()  # before the forward: the batch, committed
-            unfinished.append(LaunchedStep(out, None, None))  # undone as it stands if the launch fails
-            unfinished[-1] = launched = self.launch(out, started)  # inputs laid out; forward and draw started
+            launched = self.launch(out, started)  # its inputs laid out; the forward and the draw started
             if self.plan.async_scheduling and not launched.is_empty:
                 done, self.in_flight = self.in_flight, launched  # it runs while the step before finishes
             else:
                 done, self.in_flight = self.in_flight or launched, None
             return self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
         except BaseException:
+            if launched is None and out is not None:  # its launch failed: undone as it stands
+                launched = LaunchedStep(out, None, None)
+            unfinished = [step for step in (before, launched) if step is not None]
             with held_interrupts():  # (a second Ctrl-C waits until the step is undone)
                 self.forget_steps([step for step in unfinished if not step.scheduled.updated])
             raise

@@ -80,11 +80,22 @@ class SchedulerOutput:
     sampled: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     step: int = 0
-    # also set when it is committed, for `Scheduler.forget`: the sequences it admitted (waiting before it)
-    # and the blocks it put in the prefix cache before their K/V exist
-    admitted: list[Sequence] = field(default_factory=list)
+    # also set when it is committed, for `Scheduler.forget`: the blocks it put in the prefix cache before
+    # their K/V exist
     blocks_hashed: list[int] = field(default_factory=list)
     updated: bool = False  # its tokens are in place (the engine's finish): it can no longer be undone
+
+
+def admitted(out: SchedulerOutput) -> list[Sequence]:
+    """The sequences a step admitted (waiting before it): the last of its scheduled ones, one per cache_hits
+    entry."""
+    if not out.cache_hits:
+        return []
+    tail = [s.seq for s in out.scheduled[-len(out.cache_hits):]]
+    if [seq.seq_id for seq in tail] == [seq_id for seq_id, _ in out.cache_hits]:
+        return tail
+    ids = {seq_id for seq_id, _ in out.cache_hits}  # (a scheduling policy that lists them elsewhere)
+    return [s.seq for s in out.scheduled if s.seq.seq_id in ids]
 
 
 @dataclass
@@ -159,7 +170,6 @@ class Scheduler:
         """This step's batch (`pick`), committed: its tokens count as computed, and each sequence it brings to
         its end holds the place of the token it samples."""
         bm = self.block_manager
-        running = {seq.seq_id for seq in self.running}
         bm.hashed_now = hashed = []
         try:
             out = self.pick()
@@ -168,13 +178,12 @@ class Scheduler:
         out.blocks_hashed = hashed
         out.step = self.num_steps
         self.num_steps += 1
+        for seq in admitted(out):
+            if seq.num_prompt_cached_tokens is None:  # its first admission (what outputs report, as vLLM)
+                seq.num_prompt_cached_tokens = seq.num_cached_tokens
         sampled, prefill = out.sampled, 0
         for s in out.scheduled:
             seq = s.seq
-            if seq.seq_id not in running:
-                out.admitted.append(seq)
-                if seq.num_prompt_cached_tokens is None:  # its first admission (what outputs report)
-                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
             # (drafts count as computed once they are kept: update)
             seq.num_computed_tokens = computed = s.start + s.num_new_tokens - len(seq.spec_token_ids)
             if computed == len(seq.token_ids) + seq.num_pending_tokens:  # it reaches its end
@@ -319,8 +328,8 @@ class Scheduler:
         for out in steps:
             bm.forget_hashes(out.blocks_hashed)
         pending.forget(steps)
-        admitted = {seq.seq_id: seq for out in steps for seq in out.admitted}
-        for seq in reversed(admitted.values()):  # the first admitted ends up first in the queue
+        undone = {seq.seq_id: seq for out in steps for seq in admitted(out)}
+        for seq in reversed(undone.values()):  # the first admitted ends up first in the queue
             if seq.is_finished:  # aborted meanwhile: its blocks are free already
                 continue
             bm.free(seq)
@@ -362,6 +371,7 @@ class Scheduler:
                                     f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence "
                                     "of out.sampled, in order")
         block_size, appended, i = self.block_size, result.appended, 0
+        eos, max_len = self.eos_token_ids, self._max_len
         for seq in out.sampled:
             drafts = seq.spec_token_ids
             new = tokens[i:i + 1 + len(drafts)] if drafts else [tokens[i]]
@@ -378,7 +388,7 @@ class Scheduler:
             taken = new
             for n, token in enumerate(new, 1):
                 token_ids.append(token)
-                reason, stop_reason = self.stop_reason(seq, token)
+                reason, stop_reason = seq.check_stop(token, eos, max_len)  # (the stop rules)
                 if reason is not None:
                     taken = new[:n]
                     break
