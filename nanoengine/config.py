@@ -28,6 +28,13 @@ SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
 # weight-only quantization at load time (vLLM's option name; chapter 08): "int8", symmetric, per-group scales
 # (nanoengine/layers/quant.py); None keeps the checkpoint's weights
 QUANTIZATIONS = (None, "int8")
+# the KV cache's element type (vLLM's `kv_cache_dtype`): "auto" = the model's compute dtype; "bfloat16" (or
+# vLLM's spelling "bf16") stores K/V rounded to bf16, half the bytes of a float32 cache (nanoengine/plan.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")
+# what prefill-sized linears compute in (named like dtype and kv_cache_dtype): "auto" = the compute dtype;
+# "bfloat16" (opt-in: activations rounded to bf16 change results slightly) multiplies a bf16 checkpoint run in
+# float32 on CPU through torch's bf16 matmul (oneDNN, AMX where the CPU has it), where measured faster
+PREFILL_DTYPES = ("auto", "bfloat16")
 # speculative decoding's proposers (nanoengine/spec/): "ngram" looks the last tokens up in the prompt and the
 # output so far; "draft_model" runs a small model that shares the target's tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -134,6 +141,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kvcache_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    prefill_dtype: str = "auto"  # see PREFILL_DTYPES
     gpu_memory_utilization: float = 0.9
     # vLLM's switch for CUDA graphs (chapter 06): on CUDA, decode steps replay graphs captured per batch-size
     # bucket unless enforce_eager=True. On CPU there are no graphs: with the `cpu` backend decode steps run
@@ -213,6 +222,10 @@ class EngineConfig:
               "num_kvcache_blocks must be >= 1 (or None to size the cache from memory)")
         check(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
               "kv_cache_memory_gb must be > 0 (or None to size the cache by the default)")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check(self.prefill_dtype in PREFILL_DTYPES,
+              f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         check(self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

@@ -26,6 +26,11 @@ torch version, the kernel sources, the thread count and the model's shape: each 
 measured once. A file that cannot be read is measured again and replaced; a file is written whole under a
 temporary name and renamed, so processes starting together (tensor-parallel ranks, replicas) never read half
 of one. The choice is printed once, when measured; `dtype=` given explicitly measures nothing.
+
+`prefill_choice` does the same for the opt-in prefill_dtype="bfloat16" (a bf16 checkpoint run in float32):
+it times one decoder layer's linears at `PREFILL_ROWS` rows in float32 against bf16 activations times bf16
+weights through torch's matmul (oneDNN; AMX tiles where the CPU has them), keeps the answer beside the
+dtype choice (`prefill-<key>.json`), and the plan uses bf16 for prefill only where it measured faster.
 """
 
 from __future__ import annotations
@@ -288,3 +293,64 @@ def best_time(fn: Callable[[], Any], between: Callable[[], Any] = lambda: None) 
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+# ------------------------------------------------------------------------------------------ prefill GEMM
+
+PREFILL_ROWS = 128  # rows of the timed prefill linears: a small prompt chunk (2 x BF16_PREFILL_MIN_ROWS)
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    bf16_faster: bool
+    source: str  # MEASURED or CACHED
+    ms_per_layer: tuple[tuple[str, float], ...]  # ("float32" | "bfloat16", ms of one layer's linears)
+
+
+def prefill_choice(hf_config: Any, measure_with: Callable[[Any], dict[str, float]] | None = None
+                   ) -> PrefillChoice:
+    """Whether bf16 activations x bf16 weights (torch's matmul) beat float32 for one layer's linears at
+    PREFILL_ROWS rows on this machine: measured once (`measure_prefill`) and kept, as `choose` keeps its."""
+    path = cache_path(hf_config).with_name(f"prefill{PREFILL_ROWS}-{cache_key(hf_config)}.json")
+    try:
+        data = json.loads(path.read_text())
+        ms = {k: float(data["ms_per_step"][k]) for k in ("float32", "bfloat16")}  # (write_cached's record)
+        return PrefillChoice(ms["bfloat16"] < ms["float32"], CACHED, tuple(ms.items()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    ms = (measure_with or measure_prefill)(hf_config)
+    choice = PrefillChoice(ms["bfloat16"] < ms["float32"], MEASURED,
+                           tuple((k, round(ms[k], 4)) for k in ("float32", "bfloat16")))
+    write_cached(path, DtypeChoice("bfloat16" if choice.bf16_faster else "float32", MEASURED,
+                                   choice.ms_per_layer))
+    print(f"nanoengine: prefill_dtype='bfloat16' timed one layer's linears at {PREFILL_ROWS} rows on this "
+          f"CPU (float32 {ms['float32']:.2f} ms, bfloat16 {ms['bfloat16']:.2f} ms): prefill in "
+          f"{'bfloat16' if choice.bf16_faster else 'float32'} (kept in {path.parent})", file=sys.stderr,
+          flush=True)
+    return choice
+
+
+def measure_prefill(hf_config: Any) -> dict[str, float]:
+    """Milliseconds of one decoder layer's linears (merged q/k/v, o, merged gate/up, down) over PREFILL_ROWS
+    rows: float32, and bf16 activations x bf16 weights cast back to float32 (as layers.linear runs them)."""
+    import torch.nn.functional as F
+
+    hidden, q = hf_config.hidden_size, hf_config.num_attention_heads * shapes.head_dim(hf_config)
+    kv = shapes.num_kv_heads(hf_config) * shapes.head_dim(hf_config)
+    inter = hf_config.intermediate_size
+    gen = torch.Generator().manual_seed(0)
+    shapes_ = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    w32 = [(torch.randn(s, generator=gen) * 0.02).bfloat16().float() for s in shapes_]
+    w16 = [w.bfloat16() for w in w32]
+    xs = [torch.randn(PREFILL_ROWS, s[1], generator=gen) for s in shapes_]
+
+    def f32() -> None:
+        for x, w in zip(xs, w32):
+            F.linear(x, w)
+
+    def bf16() -> None:
+        for x, w in zip(xs, w16):
+            F.linear(x.bfloat16(), w).float()
+
+    with torch.inference_mode():
+        return {"float32": 1e3 * best_time(f32), "bfloat16": 1e3 * best_time(bf16)}

@@ -18,14 +18,22 @@ checked, and an option that cannot work here is an error saying why and what wou
   else `torch`. Pieces of the learner's that run inside the model's forward take the torch backend;
 - block size: 256 for flash_attn, else 16 (`triton` takes any power of two, `torch` and `cpu` any size);
 - the KV pool: a block count when it is known before the model is built, else (CUDA) a share of GPU memory;
+  its element type (`kv_cache_dtype`, vLLM's option): the compute dtype, or bfloat16, which halves a float32
+  cache's bytes (the same memory holds twice the blocks); the store rounds K/V to it and the `torch` and
+  `cpu` backends read it (the C++ decode kernel widens bf16 rows in registers); `triton` and `flash_attn`
+  refuse a cache dtype other than the compute dtype;
 - one decode mode (chapter 06): CUDA graphs on CUDA unless enforce_eager=True (or the backend cannot run in a
   graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with
   the `cpu` backend the whole layer stack in one C++ call; else eager;
+- prefill_dtype="bfloat16" (opt-in): for a bf16 checkpoint run in float32 on CPU with bf16 weight copies and
+  oneDNN bf16, linears over more than linear.BF16_PREFILL_MIN_ROWS rows (prefill) multiply bf16 activations by
+  bf16 weights, where that measured faster than float32 on this machine (`dtype_choice.prefill_choice`, kept
+  like the dtype); else they stay float32, with a warning saying so;
 - torch.compile of the small fused ops and the sampler (default: on CUDA only);
 - weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
   W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel.
-A mixture-of-experts checkpoint (issue 41) has its MoE fields checked here, before anything is built, and runs
-what its torch expert forward can (`check_moe`): tensor parallelism of every expert, or with
+A mixture-of-experts checkpoint (chapter 10) has its MoE fields checked here, before anything is built, and
+runs what its torch expert forward can (`check_moe`): tensor parallelism of every expert, or with
 enable_expert_parallel whole experts per rank (the sizes must divide evenly; a dense model refuses the
 option), no int8
 (its experts have no int8 path yet), and decode steps eagerly or through the CPU graph stand-in: the fused
@@ -120,10 +128,12 @@ class EnginePlan:
     enable_prefix_caching: bool
     kv_cache: FixedKVBlocks | GPUMemoryShare
     kv_bytes_per_block: int  # one block's K and V on one rank (its share of the KV heads)
+    kv_cache_dtype: str  # the KV cache's element type: the compute dtype, or "bfloat16" (pick_kv_cache_dtype)
     decode_mode: DecodeMode
     torch_compile: bool
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
+    prefill_dtype: str  # what larger batches' linears compute in: dtype, or "bfloat16" (pick_prefill_dtype)
     quantization: str  # "int8": weight-only int8 linears and LM head (layers/quant.py); "none": off
     int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
     tensor_parallel_size: int
@@ -139,6 +149,12 @@ class EnginePlan:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def torch_kv_cache_dtype(self):
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -217,19 +233,21 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         raise InvalidValueError(f"EngineConfig: max_model_len={max_model_len} is longer than the model's "
                                 f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
     tp = config.tensor_parallel_size
-    per_token = shapes.kv_bytes_per_token(hf_config, getattr(torch, dtype).itemsize) // tp  # per rank
+    kv_dtype = pick_kv_cache_dtype(config.kv_cache_dtype, dtype, backend, pieces)
+    per_token = shapes.kv_bytes_per_token(hf_config, getattr(torch, kv_dtype).itemsize) // tp  # per rank
     bytes_per_block = block_size * per_token
     kv_cache = kv_cache_size(config, device, bytes_per_block, max_model_len, block_size)
+    bf16_rows = 0 if config.quantization else bf16_weight_rows(device, backend, dtype, prepack, hf_config)
     return EnginePlan(
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
         dtype_source=dtype_choice.source, dtype_ms_per_step=dtype_choice.ms_per_step,
         attention_backend=backend, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         scheduling_policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
-        kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block,
+        kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block, kv_cache_dtype=kv_dtype,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
-        bf16_weight_rows=(0 if config.quantization else
-                          bf16_weight_rows(device, backend, dtype, prepack, hf_config)),
+        bf16_weight_rows=bf16_rows,
+        prefill_dtype=pick_prefill_dtype(config.prefill_dtype, dtype, bf16_rows, hf_config),
         quantization=config.quantization or "none",
         int8_weight_rows=int8_weight_rows(config.quantization, prepack),
         tensor_parallel_size=tp, enable_expert_parallel=config.enable_expert_parallel,
@@ -237,6 +255,49 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                                config.speculative_config),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
         trace=config.trace, pieces=pieces)
+
+
+def pick_kv_cache_dtype(want: str, dtype: str, backend: str, pieces: PieceSelection = NO_PIECES) -> str:
+    """The KV cache's element type: the compute dtype for 'auto', else bfloat16 ('bf16' is vLLM's spelling).
+    A bf16 cache under another compute dtype needs a backend that reads it (`torch`, `cpu`); the GPU kernels
+    (`triton`, `flash_attn`) and the learner's attention pieces read a cache of the compute dtype only."""
+    kv_dtype = dtype if want == "auto" else "bfloat16"
+    if kv_dtype == dtype:
+        return kv_dtype
+    if backend in ("triton", "flash_attn"):
+        raise InvalidValueError(f"EngineConfig: kv_cache_dtype={want!r} with dtype={dtype!r} needs an "
+                                f"attention backend that reads a bfloat16 cache under {dtype} compute "
+                                f"('torch' or 'cpu'), not attention_backend={backend!r}; leave "
+                                "kv_cache_dtype='auto', use dtype='bfloat16', or attention_backend='torch'")
+    if pieces.forward_pieces:
+        raise InvalidValueError(f"EngineConfig: kv_cache_dtype={want!r} with dtype={dtype!r} is not "
+                                f"supported with {pieces.option}'s attention pieces, which read a cache of "
+                                "the compute dtype; leave kv_cache_dtype='auto'")
+    return kv_dtype
+
+
+def pick_prefill_dtype(want: str, dtype: str, bf16_rows: int, hf_config: Any) -> str:
+    """What linears over more than linear.BF16_PREFILL_MIN_ROWS rows (prefill chunks) compute in: `dtype` for
+    'auto'; for 'bfloat16' (a bf16 checkpoint in float32 with bf16 weight copies, oneDNN bf16 here) bf16
+    where it measured faster."""
+    import torch
+
+    if want == "auto" or dtype == "bfloat16":
+        return dtype
+    if not (dtype == "float32" and bf16_rows and shapes.checkpoint_dtype(hf_config) == torch.bfloat16
+            and linear.onednn_bf16_available()):
+        raise InvalidValueError(f"EngineConfig: prefill_dtype={want!r} runs a bf16 checkpoint's prefill "
+                                "linears in bf16 under float32 compute on CPU (the 'cpu' backend's bf16 "
+                                "weight copies, no quantization) with torch's oneDNN bf16 matmul, which this "
+                                f"engine (dtype={dtype!r}) or CPU does not have; leave prefill_dtype='auto'")
+    choice = dtype_choice.prefill_choice(hf_config)
+    if not choice.bf16_faster:
+        ms = dict(choice.ms_per_layer)
+        warnings.warn(f"nanoengine: prefill_dtype='bfloat16' measured slower than float32 on this CPU "
+                      f"({ms['bfloat16']:.2f} against {ms['float32']:.2f} ms per layer's linears), so "
+                      "prefill stays in float32", stacklevel=4)
+        return dtype
+    return "bfloat16"
 
 
 def pick_async_scheduling(want: bool | None, device: str, trace: bool, speculative: Any = None) -> bool:

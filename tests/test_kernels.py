@@ -120,6 +120,38 @@ def test_cpu_kernel_equals_torch_decode_in_bf16(head_dim, batch, cpu_kernels):
     assert err_kernel <= max(err_eager, 4e-3), (err_kernel, err_eager)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_cpu_kernel_plain_loops_equal_its_avx2_code(q_dtype, kv_dtype, head_dim, cpu_kernels):
+    """The decode kernel's plain loops (what a CPU without AVX2 runs) against its AVX2 code, for each
+    (queries, cache) pair it reads (a bf16 cache under float32 queries: kv_cache_dtype="bfloat16"); both
+    against float64 where this build has no AVX2."""
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = torch.tensor([1, 37, 300])
+    tables = make_layout(lens.tolist(), 16, 64, gen)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    k_cache = torch.randn(3, 64, 16, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(3, 64, 16, head_dim, generator=gen).to(kv_dtype)
+    q = torch.randn(3, 9, head_dim, generator=gen).to(q_dtype)
+    scale = head_dim ** -0.5
+    plain = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale, "plain")
+    assert plain.dtype == q_dtype
+    exact = torch_backend.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, lens,
+                                           scale)
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(plain.double(), exact, atol=tol, rtol=tol)
+    try:
+        avx2 = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale, "avx2")
+    except RuntimeError as e:
+        assert "not in this build" in str(e)
+        return
+    torch.testing.assert_close(avx2.double(), plain.double(), atol=tol, rtol=tol)
+    assert torch.equal(cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, lens, scale), avx2)
+
+
 def test_cpu_kernel_rejects_bad_input(cpu_kernels):
     q = torch.zeros(1, 4, 8)
     cache = torch.zeros(3, 2, 4, 8)  # 4 query heads over 3 kv heads: not a group
@@ -272,3 +304,95 @@ def test_fused_decode_is_on_where_it_mirrors_the_forward_and_off_with_enforce_ea
         assert fused is (not eager) and (llm.engine.executor.runner.fused is None) is eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[False] == outs[True]
+
+
+# ------------------------------------------------------------------------------------------ prefill_dtype
+def test_prefill_dtype_is_checked_and_refused_where_it_cannot_run():
+    from plans import plan_of
+
+    from nanoengine.config import EngineConfig
+    from nanoengine.errors import InvalidValueError
+
+    with pytest.raises(InvalidValueError, match=r"prefill_dtype must be one of \('auto', 'bfloat16'\)"):
+        EngineConfig(prefill_dtype="float16")
+    # tiny-qwen3 is a float32 checkpoint: no exact bf16 copies to multiply
+    with pytest.raises(InvalidValueError, match="prefill_dtype='bfloat16' runs a bf16 checkpoint's prefill"):
+        plan_of(device="cpu", dtype="float32", attention_backend="torch", prefill_dtype="bfloat16",
+                num_kvcache_blocks=8)
+    assert plan_of(device="cpu", dtype="float32", attention_backend="torch",
+                   num_kvcache_blocks=8).prefill_dtype == "float32"
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_prefill_dtype_follows_the_kept_measurement(faster, monkeypatch, tmp_path, kernels):
+    """prefill_dtype='bfloat16' is used where bf16 measured faster (measured once, then read back), and
+    where it did not, prefill stays float32 with a warning saying so."""
+    from plans import plan_of
+    from transformers import LlamaConfig
+
+    from nanoengine import dtype_choice, plan
+    from nanoengine.layers import linear
+
+    monkeypatch.setenv("NANOENGINE_HOME", str(tmp_path))
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
+    calls = []
+
+    def fake(hf):
+        calls.append(1)
+        return {"float32": 2.0, "bfloat16": 1.0 if faster else 3.0}
+
+    monkeypatch.setattr(dtype_choice, "measure_prefill", fake)
+    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, torch_dtype="bfloat16")
+    for _ in range(2):
+        if faster:
+            got = plan.pick_prefill_dtype("bfloat16", "float32", 256, hf)
+        else:
+            with pytest.warns(UserWarning, match="measured slower than float32"):
+                got = plan.pick_prefill_dtype("bfloat16", "float32", 256, hf)
+        assert got == ("bfloat16" if faster else "float32")
+    assert len(calls) == 1  # kept: the second plan reads it back
+    assert plan_of(hf, device="cpu", dtype="float32", attention_backend="cpu", num_kvcache_blocks=8,
+                   prefill_dtype="bfloat16").prefill_dtype == got
+
+
+def test_linears_with_bf16_prefill_round_activations_above_the_row_threshold(kernels):
+    """use_bf16_prefill: batches of over BF16_PREFILL_MIN_ROWS rows == the bf16 matmul of the rounded
+    activations (bias added in float32), smaller ones keep their path (bf16 copies' kernel)."""
+    from nanoengine.layers.linear import BF16_PREFILL_MIN_ROWS, PackableLinear
+
+    gen = torch.Generator().manual_seed(0)
+    layer = PackableLinear(40, 24, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 40, generator=gen).bfloat16().float())
+        layer.bias.copy_(torch.randn(24, generator=gen))
+    layer.use_bf16(kernels, 256)
+    small = torch.randn(BF16_PREFILL_MIN_ROWS, 40, generator=gen)
+    large = torch.randn(BF16_PREFILL_MIN_ROWS + 1, 40, generator=gen)
+    before_small = layer(small)
+    layer.use_bf16_prefill()
+    assert torch.equal(layer(small), before_small)
+    want = torch.nn.functional.linear(large.bfloat16(), layer.weight.bfloat16()).float() + layer.bias
+    assert torch.equal(layer(large), want)
+    torch.testing.assert_close(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias),
+                               atol=0.1, rtol=0.02)  # bf16 activations: ~3 significant digits
+
+
+def test_smollm2_prefill_in_bf16_keeps_its_perplexity(kernels):
+    """SmolLM2-135M in float32 with prefill_dtype='bfloat16' (where this CPU has oneDNN bf16 and it measured
+    faster): the perplexity of a ~200-token text from one prefill is the float32 prefill's within 2% (measured
+    on a Xeon with AMX: 19.77 against 19.81). Greedy tokens are not compared: rounding the activations moves
+    near-ties (2 of 12 prompts of bench/quality.py diverged within 64 tokens there)."""
+    from nanoengine import LLM
+    from nanoengine.bench import quality
+    from nanoengine.layers import linear
+
+    if not linear.onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 on this CPU: prefill_dtype='bfloat16' is refused here")
+    llm = LLM("smollm2-135m", dtype="float32", num_kvcache_blocks=64, prefill_dtype="bfloat16")
+    if llm.engine.plan.prefill_dtype != "bfloat16":
+        pytest.skip("bf16 prefill measured slower than float32 on this CPU")
+    ppl_bf16 = quality.perplexity(llm)
+    del llm
+    ppl = quality.perplexity(LLM("smollm2-135m", dtype="float32", num_kvcache_blocks=64))
+    assert abs(ppl_bf16 / ppl - 1) < 0.02, (ppl_bf16, ppl)

@@ -11,6 +11,8 @@ The row indices and the decode length mask depend only on the batch: `TorchAtten
 once per step (the runner calls it before the forward) and every layer reads them from `meta.prepared`.
 Decode: one gather for the whole batch, scores in fp32, length mask, softmax, matmul with V.
 Prefill: per sequence, attend over (cached prefix + new tokens) with a causal mask shifted by the prefix.
+The cache may hold a narrower dtype than the compute dtype (kv_cache_dtype="bfloat16" under float32): the
+store rounds K/V to it, and what is gathered is cast up to the queries' dtype before the matmuls.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     head_dim = k.shape[-1]
     if tokens is not None:
         k, v = k[tokens], v[tokens]
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a bf16 cache under float32 compute: rounded here
     # sources [num_kv_heads * n, head_dim], head-major like rows
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.transpose(0, 1).reshape(-1, head_dim))
     v_cache.view(-1, head_dim).index_copy_(0, rows, v.transpose(0, 1).reshape(-1, head_dim))
@@ -110,8 +113,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     B, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    k = gather_blocks(k_cache, rows).view(num_kv_heads, B, -1, head_dim)  # [kvh, B, L, head_dim]
-    v = gather_blocks(v_cache, rows).view(num_kv_heads, B, -1, head_dim)
+    k = gather_blocks(k_cache, rows).view(num_kv_heads, B, -1, head_dim).to(q.dtype)  # [kvh, B, L, head_dim]
+    v = gather_blocks(v_cache, rows).view(num_kv_heads, B, -1, head_dim).to(q.dtype)
     qg = q.view(B, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, B, group, head_dim]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kvh, B, group, L]
     scores.masked_fill_(mask, float("-inf"))
@@ -227,6 +230,6 @@ class TorchAttention(AttentionBackend):
     def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         """Causal attention of a chunk's queries q [q_len, num_heads, head_dim] (the last q_len of context_len
         positions) over its sequence's cached tokens, the chunk's own already stored."""
-        k = gather_kv(self.k_cache, block_table, context_len)  # [num_kv_heads, context_len, head_dim]
-        v = gather_kv(self.v_cache, block_table, context_len)
+        k = gather_kv(self.k_cache, block_table, context_len).to(q.dtype)  # [kv_heads, context_len, head_dim]
+        v = gather_kv(self.v_cache, block_table, context_len).to(q.dtype)
         return prefill_attention(q, k, v, self.scale)

@@ -28,7 +28,7 @@ from nanoengine.attention import AttentionMetadata
 from nanoengine.engine import pending
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.kernels import cpu as cpu_kernels
-from nanoengine.layers.linear import prepack_weights, use_bf16_weights
+from nanoengine.layers.linear import prepack_weights, use_bf16_prefill, use_bf16_weights
 from nanoengine.layers.quant import quantize_weights
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models import get_model_class, hf_config
@@ -88,6 +88,8 @@ class ModelRunner:
             prepack_weights(self.model)
         if plan.bf16_weight_rows:  # the C++ extension's bf16_linear (whatever kernels the norms use)
             use_bf16_weights(self.model, cpu_kernels.load(), plan.bf16_weight_rows)
+        if plan.prefill_dtype != plan.dtype:  # prefill_dtype="bfloat16": bf16 matmuls for prefill batches
+            use_bf16_prefill(self.model)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf_config.num_kv_heads(hf) // self.tp.size  # this rank's KV heads
         self.head_dim = hf_config.head_dim(hf)
@@ -120,7 +122,9 @@ class ModelRunner:
         layer_shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads,
                                                        self.head_dim)
         self.kv_cache_shape = layer_shape  # one layer's K (or V) cache, in the backend's layout
-        self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.dtype, self.device)
+        # K/V in the plan's kv_cache_dtype (the compute dtype, or bf16, which the store rounds to)
+        self.kv_cache = zeros_lazily((2, self.num_layers, *layer_shape), self.plan.torch_kv_cache_dtype,
+                                     self.device)
         self.model.bind_kv_cache(self.kv_cache)
 
     def cuda_kv_budget(self, utilization: float) -> float:

@@ -26,6 +26,14 @@ bf16), and the sums are float32, so the output is the float32 linear's up to the
 batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
 round once, as a bf16 matmul rounds (torch's own bf16 matmul has no fast path on such a CPU).
 
+With prefill_dtype="bfloat16" (opt-in; chapter 08), `use_bf16_prefill(model)` gives every linear of a bf16
+checkpoint run in float32 a plain bf16 copy of its weight for batches of over BF16_PREFILL_MIN_ROWS rows
+(prefill chunks; decode steps run the fused step's own linears): their activations are rounded to bf16 and
+multiplied by torch's bf16 matmul (oneDNN, which uses AMX tiles where the CPU has them), the sums cast back
+to float32 (the bias added in float32). The plan turns it on only where it measured faster than the float32
+matmul (dtype_choice.prefill_choice); rounding the activations changes the results slightly, which is why it
+is not the default.
+
 With quantization="int8" (chapter 08), `layers.quant.quantize_weights` gives every linear an int8 copy of its
 weight instead (`use_int8`: the C++ kernel `int8_linear`, half of bf16's bytes), and replaces the weight
 itself by the dequantized values, so that larger batches (prefill), which keep the ordinary matmul, compute
@@ -42,6 +50,12 @@ from torch import nn
 
 from nanoengine.errors import InvalidValueError
 from nanoengine.layers.tp_group import SINGLE, TPGroup
+
+# prefill_dtype="bfloat16": batches of more rows than this multiply bf16 activations by a bf16 weight (torch's
+# matmul; oneDNN with AMX). On a Xeon with AMX (1 thread, SmolLM2's four linears of a layer) it beat float32
+# and the C++ bf16_linear at every size: 1.75 against 4.42 and 6.52 ms at 64 rows, 4.3 against 23.5 and 38.6
+# at 256, 7.1 against 38.9 and 65.4 at 512
+BF16_PREFILL_MIN_ROWS = 64
 
 
 def checkpoint_shape(loaded) -> tuple[int, ...]:
@@ -76,6 +90,7 @@ class PackableLinear(nn.Linear):
     int8_scales: torch.Tensor | None = None  # its float32 scales, per output row and group of input columns
     int8_group_size: int = 0
     int8_max_rows: int = 0
+    bf16_prefill_weight: torch.Tensor | None = None  # plain bf16 copy for larger batches (prefill_dtype)
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -84,6 +99,10 @@ class PackableLinear(nn.Linear):
         """Multiply batches of up to max_rows rows with a bf16 copy of the weight (the C++ `bf16_linear`)."""
         self.bf16_weight = kernels.bf16_pack(self.weight.detach())  # [ceil(out / 8), in, 8]
         self.bf16_max_rows, self.kernels = max_rows, kernels
+
+    def use_bf16_prefill(self) -> None:
+        """Multiply float32 batches of over BF16_PREFILL_MIN_ROWS rows in bf16 (see the module docstring)."""
+        self.bf16_prefill_weight = self.weight.detach().bfloat16()  # [out, in]
 
     def use_int8(self, kernels: Any, q: torch.Tensor, scales: torch.Tensor, group_size: int,
                  max_rows: int) -> None:
@@ -101,6 +120,10 @@ class PackableLinear(nn.Linear):
         if self.int8_weight is not None and rows is not None and rows <= self.int8_max_rows:
             return self.kernels.int8_linear(x, self.int8_weight, self.int8_scales, bias, self.out_features,
                                             self.int8_group_size)  # [rows, out]
+        if (self.bf16_prefill_weight is not None and rows is not None and rows > BF16_PREFILL_MIN_ROWS
+                and x.dtype == torch.float32):
+            y = F.linear(x.bfloat16(), self.bf16_prefill_weight).float()  # [rows, out]
+            return y if bias is None else y + bias
         if self.bf16_weight is not None and rows is not None and rows <= self.bf16_max_rows:
             return self.kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
         copies = self.bf16_weight is not None or self.int8_weight is not None
@@ -134,6 +157,15 @@ def use_bf16_weights(model: nn.Module, kernels: Any, max_rows: int) -> int:
                                     "rounding it would change the model's results")
     for m in layers:
         m.use_bf16(kernels, max_rows)
+    return len(layers)
+
+
+def use_bf16_prefill(model: nn.Module) -> int:
+    """Give every PackableLinear of a loaded model with bf16 weight copies (a bf16 checkpoint in float32) a
+    plain bf16 weight for prefill-sized batches (prefill_dtype="bfloat16"); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear) and m.bf16_weight is not None]
+    for m in layers:
+        m.use_bf16_prefill()
     return len(layers)
 
 

@@ -8,6 +8,10 @@
 //
 // Layout (the torch backend's, heads first): k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim].
 // q [B, num_heads, head_dim]; block_tables [B, max_blocks] int64; context_lens [B] int64 (incl. the new token).
+// The caches hold q's dtype, or bfloat16 under float32 queries (kv_cache_dtype="bfloat16": half the bytes to
+// read); a bf16 row is widened to float32 as it is loaded (a bf16 is the top half of a float32).
+// `path` picks the code: "auto" (AVX2 where the build has it), "avx2", or "plain" (the loops a CPU without
+// AVX2 runs), so that one machine tests both (tests/test_kernels.py).
 // Work is split over (sequence, kv head) pairs; each pair serves its `group` query heads (GQA): pass 1 scores
 // four K rows at a time against every query head of the group, pass 2 keeps the group's output sums in
 // registers, and both prefetch the scattered rows ahead.
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace nanoengine {
@@ -72,12 +77,12 @@ int64_t attention_scores_avx2(const float* qf, const scalar_t* k_head, const sca
 #endif
 
 template <typename scalar_t, int kD>
-void attention_scores(const float* qf, int64_t group, int64_t D, const scalar_t* k_head, const scalar_t* v_head,
-                      const int64_t* rows, int64_t L, float* scores) {
+void attention_scores(bool simd, const float* qf, int64_t group, int64_t D, const scalar_t* k_head,
+                      const scalar_t* v_head, const int64_t* rows, int64_t L, float* scores) {
   int64_t l = 0;
 #ifdef NANOENGINE_AVX2
   if constexpr (kD > 0 && kD % 16 == 0) {
-    switch (group) {  // the common GQA groups: K loaded once for the whole group
+    if (simd) switch (group) {  // the common GQA groups: K loaded once for the whole group
       case 2: l = attention_scores_avx2<scalar_t, kD, 2>(qf, k_head, v_head, rows, L, scores); break;
       case 3: l = attention_scores_avx2<scalar_t, kD, 3>(qf, k_head, v_head, rows, L, scores); break;
       case 4: l = attention_scores_avx2<scalar_t, kD, 4>(qf, k_head, v_head, rows, L, scores); break;
@@ -85,7 +90,7 @@ void attention_scores(const float* qf, int64_t group, int64_t D, const scalar_t*
     }
   }
   if constexpr (kD > 0 && kD % 16 == 0) {
-    for (; l + 4 <= L; l += 4) {
+    for (; simd && l + 4 <= L; l += 4) {
       for (int64_t r = l; r < l + 4; ++r) {
         if (r + kPrefetchRows < L) prefetch_row(k_head + rows[r + kPrefetchRows], kD);
         prefetch_row(v_head + rows[r], kD);
@@ -147,11 +152,11 @@ void attention_values_avx2(const float* probs, const scalar_t* v_head, const int
 
 // Pass 2 of decode attention: acc[g, :] = sum_l p[g, l] v_l (acc [group, D], float32, zeroed here).
 template <typename scalar_t, int kD>
-void attention_values(const float* probs, int64_t group, int64_t D, const scalar_t* v_head, const int64_t* rows,
-                      int64_t L, float* acc) {
+void attention_values(bool simd, const float* probs, int64_t group, int64_t D, const scalar_t* v_head,
+                      const int64_t* rows, int64_t L, float* acc) {
 #ifdef NANOENGINE_AVX2
   if constexpr (kD > 0 && kD % 16 == 0) {
-    switch (group) {  // the common GQA groups
+    if (simd) switch (group) {  // the common GQA groups
       case 1: return attention_values_avx2<scalar_t, kD, 1>(probs, v_head, rows, L, acc);
       case 2: return attention_values_avx2<scalar_t, kD, 2>(probs, v_head, rows, L, acc);
       case 3: return attention_values_avx2<scalar_t, kD, 3>(probs, v_head, rows, L, acc);
@@ -170,18 +175,20 @@ void attention_values(const float* probs, int64_t group, int64_t D, const scalar
   }
 }
 
-template <typename scalar_t, int kD>  // kD: head_dim known at compile time (0 = read it at run time)
-void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// q_t: the queries' and output's dtype; kv_t: the caches' (q_t, or bf16 under float32 queries); kD: head_dim
+// known at compile time (0 = read it at run time); simd: the AVX2 code where built (false: the plain loops)
+template <typename q_t, typename kv_t, int kD>
+void decode_kernel(bool simd, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), num_heads = q.size(1), D = kD ? kD : q.size(2);
   const int64_t kvh = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2);
   const int64_t group = num_heads / kvh, max_blocks = block_tables.size(1);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  q_t* op = out.data_ptr<q_t>();
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -191,7 +198,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const int64_t b = task / kvh, h = task % kvh, L = lens[b];
       const int64_t* table = tables + b * max_blocks;
       if (L == 0) {  // no context (a CUDA-graph padding row): reads nothing, writes zeros
-        for (int64_t i = 0; i < group * D; ++i) op[(b * num_heads + h * group) * D + i] = static_cast<scalar_t>(0.f);
+        for (int64_t i = 0; i < group * D; ++i) op[(b * num_heads + h * group) * D + i] = static_cast<q_t>(0.f);
         continue;
       }
       for (int64_t g = 0; g < group; ++g)  // the group's query heads, pre-scaled, in float32
@@ -201,10 +208,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       rows.resize(L);  // where token l's row sits in this head's cache: block table[l / bs], offset l % bs
       for (int64_t blk = 0, l = 0; l < L; ++blk)
         for (int64_t j = 0; j < bs && l < L; ++j, ++l) rows[l] = (table[blk] * bs + j) * D;
-      const scalar_t* k_head = kp + h * num_blocks * bs * D;
-      const scalar_t* v_head = vp + h * num_blocks * bs * D;
+      const kv_t* k_head = kp + h * num_blocks * bs * D;
+      const kv_t* v_head = vp + h * num_blocks * bs * D;
       // pass 1: scores[g, l] = q_g . k_l, reading each K row once
-      attention_scores<scalar_t, kD>(qf.data(), group, D, k_head, v_head, rows.data(), L, scores.data());
+      attention_scores<kv_t, kD>(simd, qf.data(), group, D, k_head, v_head, rows.data(), L, scores.data());
       // softmax over the context, per query head
       std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
@@ -216,44 +223,57 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         inv_sum[g] = 1.f / sum;
       }
       // pass 2: out_g = sum_l p[g, l] v_l, reading each V row once
-      attention_values<scalar_t, kD>(scores.data(), group, D, v_head, rows.data(), L, acc.data());
+      attention_values<kv_t, kD>(simd, scores.data(), group, D, v_head, rows.data(), L, acc.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < D; ++d)
-          op[(b * num_heads + h * group + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv_sum[g]);
+          op[(b * num_heads + h * group + g) * D + d] = static_cast<q_t>(acc[g * D + d] * inv_sum[g]);
     }
   });
+}
+
+// the three (queries, caches) pairs: bf16 and bf16, float32 and float32, float32 and bf16
+template <typename q_t, typename kv_t>
+void decode_dispatch(bool simd, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {  // common head sizes get fully unrolled inner loops
+    case 64: return decode_kernel<q_t, kv_t, 64>(simd, q, k_cache, v_cache, tables, lens, scale, out);
+    case 128: return decode_kernel<q_t, kv_t, 128>(simd, q, k_cache, v_cache, tables, lens, scale, out);
+    default: return decode_kernel<q_t, kv_t, 0>(simd, q, k_cache, v_cache, tables, lens, scale, out);
+  }
 }
 
 }  // namespace
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        const std::string& path) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q [B, H, D], cache [kvh, blocks, bs, D]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "paged_decode: bfloat16 or float32 only, got ", q.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kBFloat16),
+              "paged_decode: the caches must share a dtype, q's or bfloat16 (under float32 queries)");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode: num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(path == "auto" || path == "avx2" || path == "plain",
+              "paged_decode: path must be 'auto', 'avx2' or 'plain', got '", path, "'");
+#ifdef NANOENGINE_AVX2
+  const bool simd = path != "plain";
+#else
+  TORCH_CHECK(path != "avx2", "paged_decode: path 'avx2' is not in this build (built for plain loops)");
+  const bool simd = false;
+#endif
   auto qc = q.contiguous();
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = context_lens.to(at::kLong).contiguous();
   auto out = at::empty_like(qc);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
-              "paged_decode: bfloat16 or float32 only, got ", q.scalar_type());
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  switch (q.size(2)) {  // common head sizes get fully unrolled inner loops
-#define NANOENGINE_CASE(HD)                                                                   \
-    case HD:                                                                                  \
-      if (bf16) decode_kernel<c10::BFloat16, HD>(qc, k_cache, v_cache, tables, lens, scale, out); \
-      else decode_kernel<float, HD>(qc, k_cache, v_cache, tables, lens, scale, out);         \
-      break;
-    NANOENGINE_CASE(64)
-    NANOENGINE_CASE(128)
-#undef NANOENGINE_CASE
-    default:
-      if (bf16) decode_kernel<c10::BFloat16, 0>(qc, k_cache, v_cache, tables, lens, scale, out);
-      else decode_kernel<float, 0>(qc, k_cache, v_cache, tables, lens, scale, out);
-  }
+  if (q.scalar_type() == at::kBFloat16)
+    decode_dispatch<c10::BFloat16, c10::BFloat16>(simd, qc, k_cache, v_cache, tables, lens, scale, out);
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    decode_dispatch<float, c10::BFloat16>(simd, qc, k_cache, v_cache, tables, lens, scale, out);
+  else
+    decode_dispatch<float, float>(simd, qc, k_cache, v_cache, tables, lens, scale, out);
   return out;
 }
 

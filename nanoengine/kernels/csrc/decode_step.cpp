@@ -8,6 +8,7 @@
 // (tests/test_kernels.py checks it), and Python is left with the embedding and the LM head.
 // `nanoengine/models/fused_decode.py` builds its arguments once.
 #include "kernels.h"
+#include "simd.h"
 
 #include <chrono>
 #include <cstring>
@@ -24,25 +25,41 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 }
 
 // k, v [B, kv_heads, D] (rows of D contiguous, any other strides) into the caches at their slots (-1: skip),
-// the rows write_kv stores
+// the rows write_kv stores: copied as they are, or float32 rounded to a bf16 cache (kv_cache_dtype="bfloat16",
+// to nearest even, as the torch backend's store rounds)
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const int64_t* slots) {
+  const bool rounded = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "decode_layers: K/V rows and caches of one dtype");
+                  k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k.scalar_type() == k_cache.scalar_type() || rounded),
+              "decode_layers: K/V rows and caches of one dtype (or float32 rows and bfloat16 caches)");
   const int64_t B = k.size(0), H = k.size(1), D = k.size(2);
   const int64_t rows_per_head = k_cache.size(1) * k_cache.size(2), row_bytes = D * k.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t es = k.element_size();
+  const int64_t es = k.element_size(), cache_es = k_cache.element_size();
   for (int64_t t = 0; t < B; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t row = (h * rows_per_head + slots[t]) * row_bytes;
-      std::memcpy(kc + row, kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes);
-      std::memcpy(vc + row, vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
+      const int64_t row = (h * rows_per_head + slots[t]) * D * cache_es;
+      const char* ks = kp + (t * k.stride(0) + h * k.stride(1)) * es;
+      const char* vs = vp + (t * v.stride(0) + h * v.stride(1)) * es;
+      if (rounded) {
+        const float* kf = reinterpret_cast<const float*>(ks);
+        const float* vf = reinterpret_cast<const float*>(vs);
+        auto* kb = reinterpret_cast<c10::BFloat16*>(kc + row);
+        auto* vb = reinterpret_cast<c10::BFloat16*>(vc + row);
+        for (int64_t d = 0; d < D; ++d) {
+          kb[d] = round_to<c10::BFloat16>(kf[d]);
+          vb[d] = round_to<c10::BFloat16>(vf[d]);
+        }
+      } else {
+        std::memcpy(kc + row, ks, row_bytes);
+        std::memcpy(vc + row, vs, row_bytes);
+      }
     }
   }
 }

@@ -11,9 +11,11 @@
 
 namespace nanoengine {
 
-// 1. paged decode attention: q [B, H, D] against the K/V rows of each sequence's blocks -> [B, H, D]
+// 1. paged decode attention: q [B, H, D] against the K/V rows of each sequence's blocks -> [B, H, D]; the
+// caches hold q's dtype or bf16; path: "auto", "avx2" or "plain" (the loops a CPU without AVX2 runs)
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        const std::string& path = "auto");
 
 // 2. fused glue: (residual +) RMSNorm -> [normed] or [normed, residual sum]; rotary; silu(gate) * up
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,

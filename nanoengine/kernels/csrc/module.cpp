@@ -9,7 +9,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace nanoengine;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("paged_decode", &paged_decode, "paged decode attention on CPU (reads K/V in place)", nogil);
+  m.def("paged_decode", &paged_decode, "paged decode attention on CPU (reads K/V in place; a bf16 cache under float32 q)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("path") = "auto", nogil);
   m.def("rms_norm", &rms_norm, "(residual +) RMSNorm: returns [normed] or [normed, residual sum]", nogil);
   m.def("rotary", &rotary, "rotary embedding of [T, heads, D] rows (a copy)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
