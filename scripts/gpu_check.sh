@@ -141,7 +141,8 @@ else
   if [ "$HAVE_PYTEST" != 1 ]; then
     skip pytest "pytest is not installed"
   else
-    TESTS=(tests/test_triton_kernels.py tests/test_gpu.py tests/test_flash_attn.py tests/test_triton_moe.py::test_compiled_kernel_at_qwen3_30b_a3b_expert_shapes)
+    TESTS=(tests/test_triton_kernels.py tests/test_gpu.py tests/test_flash_attn.py tests/test_triton_moe.py::test_compiled_kernel_at_qwen3_30b_a3b_expert_shapes
+           tests/test_tp_host_inputs.py::test_sending_a_cuda_step_never_waits_for_the_device)
     if [ "$MODE" = smoke ]; then
       TESTS+=(tests/test_graphs.py::test_cuda_graphs_equal_eager_on_cuda)  # skips without CUDA: a check of the call
     else
