@@ -260,3 +260,34 @@ def test_num_cached_tokens_is_the_first_admissions_after_a_preemption(tiny_qwen3
     assert seen == 16 and seq.num_cached_tokens != seen  # its re-admission hit a different count
     assert out.num_cached_tokens == seen
     assert engine.requests[first].output().num_cached_tokens == 0
+
+
+# ------------------------------------------------------------------------------------------ held Ctrl-C
+def test_ctrl_c_waits_for_the_end_of_a_held_stretch_and_never_for_a_stale_handler():
+    import os
+    import signal
+    import time
+
+    from nanoengine.engine.interrupts import HELD, held_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            done.append("the stretch ran to its end")
+    assert done
+    # someone's own handler, set for a while (tensor parallelism's, a server's): a stretch inside it hands the
+    # signal to it, and puts it back after; once theirs is gone, Ctrl-C raises as usual again
+    theirs = []
+    before = signal.signal(signal.SIGINT, lambda *a: theirs.append(1))
+    try:
+        with held_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert theirs == [1] and signal.getsignal(signal.SIGINT) != HELD.handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
