@@ -92,3 +92,22 @@ def cpu_kernels():
             pytest.fail(f"the CPU kernels did not build: {why}")
         pytest.skip(f"no CPU kernels here: {why}")
     return cpu.load()
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Every test starts with Python's own SIGINT handler (Ctrl-C raises KeyboardInterrupt) and gives back
+    the one it found: a test that sends itself SIGINT must not depend on what a test before it, in the same
+    worker, left installed (the clean-clone run had three such tests fail in one xdist worker)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
