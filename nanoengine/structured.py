@@ -19,7 +19,7 @@ request asks for structured outputs. How it runs in the engine (`StructuredOutpu
 - overlap scheduling: the next mask needs this step's tokens, so the engine finishes a step that sampled a
   grammar sequence before it schedules the next (steps without one overlap as before);
 - speculative decoding: a sequence with a grammar gets no drafts (it decodes plainly;
-  Scheduler.propose_drafts);
+  Speculator.propose);
 - a thinking model (`reasoning_tags`, e.g. Qwen3's `<think>`/`</think>`, set by the server's
   `--reasoning-parser`): the grammar applies to the answer only, after the thinking ends (vLLM's rule). The
   prompt's end says where the thinking stands (`_thinking`): closed (`enable_thinking=False`), open, or not

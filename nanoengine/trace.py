@@ -172,3 +172,17 @@ class RunTrace:
             seq_num_tokens={s.seq_id: s.num_tokens for s in running})
         self.steps.append(step)
         return step
+
+
+class TraceRecorder:
+    """A step observer (engine/hooks.py) that records each of an engine's steps, and each request's prompt,
+    into a RunTrace (`LLMEngine.start_trace`)."""
+
+    def __init__(self, trace: RunTrace, scheduler: Any, block_manager: Any) -> None:
+        self.trace, self.scheduler, self.block_manager = trace, scheduler, block_manager
+
+    def added(self, seqs: list[Any]) -> None:
+        self.trace.add_prompts(seqs)
+
+    def observe(self, step: Any, update: Any, stats: StepStats) -> None:
+        self.trace.record(step.scheduled, update.finished, stats, self.scheduler.running, self.block_manager)

@@ -72,7 +72,7 @@ def test_a_draft_model_may_be_a_hub_id(hub_cache):
     spec = LLM("tiny-qwen3", speculative_config={"method": "draft_model", "model": HUB_ID,
                                                  "num_speculative_tokens": 3}, **ENGINE)
     assert greedy_tokens(spec, prompts, max_tokens=8) == want
-    assert spec.engine.speculator.proposer.engine.plan.model_path == assets.resolve_model(HUB_ID)
+    assert spec.engine.drafts.proposer.engine.plan.model_path == assets.resolve_model(HUB_ID)
     counts = spec.engine.spec_counts
     assert counts.proposed > 0 and counts.accepted == counts.proposed  # the same weights agree on every token
 

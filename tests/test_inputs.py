@@ -36,7 +36,7 @@ def test_layout_slots_and_sampled_rows():
     tail = seq_with(range(400, 406), [2, 4], computed=2, cached=4)  # after a hit, computing from position 2
     scheduled = [ScheduledSeq(chunk, 6, True), ScheduledSeq(decoding, 1, False), ScheduledSeq(hit, 1, True),
                  ScheduledSeq(tail, 4, True)]
-    inp, sample_seqs = InputBuilder(bs).build(scheduled)
+    inp, sample_seqs = InputBuilder(bs).build(scheduled)[:2]
     # decodes (one new token) first, in scheduled order, then the prefill chunks
     order = [(decoding, 9, 1), (hit, 8, 1), (chunk, 0, 6), (tail, 2, 4)]
     want_ids = [t for seq, start, n in order for t in seq.token_ids[start:start + n]]
@@ -61,7 +61,7 @@ def test_layout_slots_and_sampled_rows():
 def test_decode_only_batch_is_fixed_width():
     seqs = [seq_with(range(n), list(range(i * 4, i * 4 + -(-n // 4))), computed=n - 1)
             for i, n in enumerate((3, 9, 5))]
-    inp, _ = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs])
+    inp = InputBuilder(4).build([ScheduledSeq(s, 1, False) for s in seqs]).inputs
     assert inp.is_decode_only and inp.sample_rows.tolist() == [0, 1, 2]
     assert inp.attn.decode_block_tables.shape == (3, 3) and inp.attn.slot_mapping.shape == (3,)
 
@@ -116,13 +116,13 @@ def test_host_buffers_take_turns_are_reused_and_grown_only_when_a_step_needs_mor
     assert second.attn.decode_context_lens.tolist() == [6, 6] and second.positions.tolist() == [5, 5]
     assert third.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]
     big = seq_with(range(20), [1, 2, 3, 4, 5], computed=0)  # 20 prompt tokens, 5 blocks: more than they hold
-    inp, _ = builder.build([ScheduledSeq(big, 20, True)])  # set B's turn: it grows
+    inp = builder.build([ScheduledSeq(big, 20, True)]).inputs  # set B's turn: it grows
     grown = builder.host
     assert grown is not b_set and grown.fits(20, 1, 5) and builder.sets == [a_set, grown]
     assert (inp.input_ids.tolist() == list(range(20))
             and inp.attn.prefill_block_tables[0].tolist() == [1, 2, 3, 4, 5])
     for want in (a_set, grown):
-        again, _ = builder.build([ScheduledSeq(s, 1, False) for s in seqs])
+        again = builder.build([ScheduledSeq(s, 1, False) for s in seqs]).inputs
         assert builder.host is want and again.attn.decode_block_tables.tolist() == [[0, 10], [1, 11]]
 
 
@@ -135,17 +135,17 @@ def test_prompt_logprob_rows_follow_the_prompt_chunks():
     wants.block_table = [1, 2, 3]
     plain = seq_with(range(600, 606), [4, 5], computed=0)
     b = InputBuilder(bs)
-    inp, _ = b.build([ScheduledSeq(plain, 6, True), ScheduledSeq(wants, 4, True, start=0)])
+    inp, _, rows, targets = b.build([ScheduledSeq(plain, 6, True), ScheduledSeq(wants, 4, True, start=0)])
     # plain's 6 rows first (scheduled first), then wants' positions 0..3, each predicting prompt token p + 1
     assert inp.logprob_rows.tolist() == [6, 7, 8, 9]
-    assert [(r.seq, r.first, r.count) for r in b.last_prompt_rows] == [(wants, 1, 4)]
-    assert b.last_prompt_targets == [501, 502, 503, 504]
-    inp, _ = b.build([ScheduledSeq(wants, 1, True, start=4)])  # a 1-token chunk: laid out as a decode
-    assert inp.logprob_rows.tolist() == [0] and b.last_prompt_targets == [505]
-    inp, sample_seqs = b.build([ScheduledSeq(wants, 5, True, start=5)])  # to the end: the last one is sampled
-    assert inp.logprob_rows.tolist() == [0, 1, 2, 3] and b.last_prompt_targets == [506, 507, 508, 509]
+    assert [(r.seq, r.first, r.count) for r in rows] == [(wants, 1, 4)]
+    assert targets == [501, 502, 503, 504]
+    inp, _, _, targets = b.build([ScheduledSeq(wants, 1, True, start=4)])  # a 1-token chunk: as a decode
+    assert inp.logprob_rows.tolist() == [0] and targets == [505]
+    inp, sample_seqs, _, targets = b.build([ScheduledSeq(wants, 5, True, start=5)])  # to the end: sampled
+    assert inp.logprob_rows.tolist() == [0, 1, 2, 3] and targets == [506, 507, 508, 509]
     assert inp.sample_rows.tolist() == [4] and sample_seqs == [wants]
     second = Sequence(list(range(500, 510)), SamplingParams(prompt_logprobs=2), bs)
     second.index, second.block_table = 1, [1, 2, 3]  # n > 1: the first completion computes them
-    inp, _ = b.build([ScheduledSeq(second, 10, True, start=0)])
-    assert inp.num_logprob_rows == 0 and b.last_prompt_rows == []
+    inp, _, rows, _ = b.build([ScheduledSeq(second, 10, True, start=0)])
+    assert inp.num_logprob_rows == 0 and rows == []

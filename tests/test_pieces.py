@@ -86,8 +86,8 @@ def test_ch09_pieces_speculate_over_ch04s_block_manager_or_are_refused_without_s
               speculative_config=NGRAM, num_kvcache_blocks=8, block_size=4)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
     engine = llm.engine
-    assert type(engine.scheduler.speculator.proposer).__name__ == "LearnerNgramProposer"
-    assert engine.speculator.accept.__name__ == "learner_accept"
+    assert type(engine.drafts.proposer).__name__ == "LearnerNgramProposer"
+    assert engine.drafts.accept.__name__ == "learner_accept"
     bm_classes = [c.__name__ for c in type(engine.block_manager).__mro__]
     assert bm_classes[:2] == ["LearnerRollbackBlockManager", "LearnerBlockManager"]  # 9.4 over 4.1-4.4
     counts = engine.spec_counts

@@ -373,7 +373,7 @@ def test_greedy_speculation_is_exact_over_a_fake_kv_cache(pool):
     for proposer in ["ngram", NoisyOracle(answers)]:
         eng = stub(FIXED_NGRAM, num_blocks=pool)
         if proposer != "ngram":
-            eng.scheduler.speculator.proposer = proposer
+            eng.drafts.proposer = proposer
         assert run(eng, STUB_PROMPTS, params, checker) == want, proposer
         counts = eng.spec_counts
         assert 0 < counts.accepted < counts.proposed  # both kinds of verification happened
@@ -390,22 +390,22 @@ def test_adaptive_drafts_stay_exact_stop_when_rejected_and_are_forgotten_at_the_
     params = greedy_params()
     want = run(stub(num_blocks=200), STUB_PROMPTS, params)
     eng = stub(FIXED_NGRAM, num_blocks=200)
-    eng.scheduler.speculator.proposer = AlwaysWrong()
+    eng.drafts.proposer = AlwaysWrong()
     assert run(eng, STUB_PROMPTS, params, checker) == want
     counts, decodes = eng.spec_counts, sum(len(w[0]) - 1 for w in want)
     assert counts.accepted == 0 and counts.verifications < decodes // 4, (counts, decodes)
-    assert eng.scheduler.speculator.policy.states == {}
+    assert eng.drafts.policy.states == {}
     fixed = stub(NGRAM, num_blocks=200)  # without the policy: a verification per decode
-    fixed.scheduler.speculator.proposer, fixed.scheduler.speculator.policy = AlwaysWrong(), None
+    fixed.drafts.proposer, fixed.drafts.policy = AlwaysWrong(), None
     assert run(fixed, STUB_PROMPTS, params) == want
     assert fixed.spec_counts.verifications > 3 * counts.verifications
     req = eng.make_request(SHARED, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     eng.add(req)
     for _ in range(4):
         eng.step()
-    assert eng.scheduler.speculator.policy.states  # it has a state while it runs ...
+    assert eng.drafts.policy.states  # it has a state while it runs ...
     eng.abort(req.request_id)
-    assert eng.scheduler.speculator.policy.states == {}  # ... and none once aborted
+    assert eng.drafts.policy.states == {}  # ... and none once aborted
 
 
 def test_prefix_hits_and_rollback_keep_the_cache_clean():
@@ -449,7 +449,7 @@ def test_sampled_speculation_follows_the_models_distribution():
     prompt, n = [1, 2], 1500
     eng = stub(NGRAM, num_blocks=2048, max_num_batched_tokens=4096, max_num_seqs=256)
     # drafts at every step (no policy: at 256 sequences a step, it would judge drafting too dear)
-    eng.scheduler.speculator.proposer, eng.scheduler.speculator.policy = StubPreference(), None
+    eng.drafts.proposer, eng.drafts.policy = StubPreference(), None
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
     out = run(eng, [prompt] * n, params)
     assert eng.spec_counts.accepted > n // 4 and eng.spec_counts.accepted < eng.spec_counts.proposed
@@ -477,7 +477,7 @@ def test_tiny_qwen3_greedy_speculation_equals_plain():
     want = [o.outputs[0].token_ids for o in outs]
     spec = LLM("tiny-qwen3", speculative_config=NGRAM, **kw)
     answers = [o.prompt_token_ids + w for o, w in zip(outs, want)]
-    spec.engine.scheduler.speculator.proposer = NoisyOracle(answers, k=4, seed=1)
+    spec.engine.drafts.proposer = NoisyOracle(answers, k=4, seed=1)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     counts = spec.engine.spec_counts
@@ -516,7 +516,7 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     plain = LLM("tiny-qwen3", **kw)
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM("tiny-qwen3", speculative_config=draft, **kw)
-    proposer, batches = spec.engine.speculator.proposer, []
+    proposer, batches = spec.engine.drafts.proposer, []
     propose_many = proposer.propose_many
 
     def recorded(token_ids, max_tokens):
@@ -527,13 +527,13 @@ def test_a_draft_model_that_disagrees_sometimes_gives_the_targets_tokens(tmp_pat
     got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert max(batches) > 1, batches  # one draft run serves several sequences
-    assert spec.engine.speculator.policy.states == {}
+    assert spec.engine.drafts.policy.states == {}
     counts, eng = spec.engine.spec_counts, spec.engine
     assert 0 < counts.accepted < counts.proposed, counts  # drafts kept and drafts rejected
     assert any(st.num_preempted for st in eng.stats), "the 10-block pool should preempt"
     assert any(st.cache_hit_tokens for st in eng.stats), "the shared prompts should hit the prefix cache"
     assert eng.block_manager.num_free_blocks == 10
-    assert eng.speculator.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool too
+    assert eng.drafts.proposer.engine.block_manager.num_free_blocks == 10  # the draft's pool too
     sampled = [SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)] * 2
     runs = [[o.outputs[0].token_ids for o in spec.generate(prompts[:2], sampled, use_tqdm=False)]
             for _ in range(2)]

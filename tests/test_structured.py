@@ -170,8 +170,8 @@ def test_speculation_drafts_nothing_for_a_grammar_request(llm):
     want = llm.generate([prompt, prompt], params, use_tqdm=False)
     spec = LLM("tiny-qwen3", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **BASE)
     drafted = []
-    propose_many = spec.engine.speculator.propose_many  # (a step's decoding sequences, their limits)
-    spec.engine.speculator.propose_many = lambda seqs, limits: drafted.extend(
+    propose_many = spec.engine.drafts.propose_many  # (a step's decoding sequences, their limits)
+    spec.engine.drafts.propose_many = lambda seqs, limits: drafted.extend(
         zip(seqs, d := propose_many(seqs, limits))) or d
     got = spec.generate([prompt, prompt], params, use_tqdm=False)
     assert tokens(got) == tokens(want)

@@ -51,7 +51,7 @@ def built_step() -> ModelInput:
     decoding.block_table, decoding.num_computed_tokens = [7, 3, 9], 9
     chunk = Sequence(list(range(200, 212)), SamplingParams(), 4)
     chunk.block_table = [1, 5, 6]
-    inp, _ = InputBuilder(4).build([ScheduledSeq(chunk, 6, True), ScheduledSeq(decoding, 1, False)])
+    inp = InputBuilder(4).build([ScheduledSeq(chunk, 6, True), ScheduledSeq(decoding, 1, False)]).inputs
     return inp
 
 
@@ -125,7 +125,7 @@ def test_sending_a_cuda_step_never_waits_for_the_device():
         pytest.skip("needs CUDA")
     decoding = Sequence(list(range(100, 110)), SamplingParams(), 4)
     decoding.block_table, decoding.num_computed_tokens = [7, 3, 9], 9
-    inp, _ = InputBuilder(4, device="cuda").build([ScheduledSeq(decoding, 1, False)])
+    inp = InputBuilder(4, device="cuda").build([ScheduledSeq(decoding, 1, False)]).inputs
     assert inp.input_ids.is_cuda and inp.host is not None and not inp.host.input_ids.is_cuda
     x = torch.randn(2048, 2048, device="cuda")
     for _ in range(20):  # a step in flight

@@ -93,7 +93,7 @@ def measure(model: str, k: int, max_tokens: int, repeats: int, dtype: str, threa
         for name, spec in list(specs.items()):
             specs[f"{name}-fixed"] = spec
             engines[f"{name}-fixed"] = llm = LLM(model, dtype=dtype, speculative_config=spec)
-            llm.engine.speculator.policy = None
+            llm.engine.drafts.policy = None
     tasks: dict[str, Any] = {}
     for task, messages in TASKS.items():
         runs: dict[str, list[dict]] = {name: [] for name in engines}

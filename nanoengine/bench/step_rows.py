@@ -46,7 +46,7 @@ class FixedDrafts:
 
 def step_ms(llm: LLM, batch: int, drafts: int, prompt_len: int, steps: int, rng: random.Random) -> float:
     """The median forward ms of the decode steps of `batch` sequences, each verifying `drafts` drafts."""
-    speculator = llm.engine.scheduler.speculator
+    speculator = llm.engine.drafts
     speculator.proposer, speculator.policy = FixedDrafts(drafts), None
     vocab = min(llm.plan.hf_config.vocab_size, 10_000)
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]} for _ in range(batch)]
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m nanoengine.bench.step_rows",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--quantization", choices=["int8"], default=None)
+    ap.add_argument("--quantization", choices=["int8", "w8a8"], default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12, help="decode steps per point")

@@ -164,27 +164,18 @@ class Executor(ABC):
                      logprobs: lp.LogprobsWanted | None = None, mask: LogitsMask | None = None) -> None:
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
-        prompt = None
-        if logprobs is not None:  # (layers/logprobs.py is imported only when a request asks)
-            from nanoengine.layers import logprobs as lp
-        if logits is not None and model_input.num_logprob_rows:  # the prompt rows come after the sampled ones
-            logits, prompt_logits = logits[:model_input.num_sampled], logits[model_input.num_sampled:]
-            prompt = lp.prompt_logprobs(prompt_logits, logprobs)
-        if logits is None or not len(logits):
-            self.last_tokens = sampled = None
-        else:
+        num_sampled, drawn_from, tokens = model_input.num_sampled, None, None
+        if num_sampled:
             # logits masks (grammars, min_tokens): the sampler draws from a masked copy (`logits` stay raw;
             # processed logprobs are of the distribution drawn from, so masked too)
-            drawn_from = logits if mask is None else mask.apply(logits)  # [num_sampled, V]
+            rows = logits[:num_sampled]  # (the prompt-logprob rows come after the sampled ones)
+            drawn_from = rows if mask is None else mask.apply(rows)  # [num_sampled, V]
             out.generator_states = [(g, g.get_state()) for _, g in sampling.seeded]
-            self.last_tokens = self.sampler(drawn_from, sampling)  # [num_sampled]
-            if logprobs is not None and logprobs.sampled_k is not None:
-                of = drawn_from if logprobs.mode == lp.PROCESSED else logits
-                sampled = lp.sampled_logprobs(of, self.last_tokens, sampling, logprobs)
-            else:
-                sampled = None
-        out.set(self.last_tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None,
-                sampled, prompt)
+            tokens = self.sampler(drawn_from, sampling)  # [num_sampled]
+        self.last_tokens = tokens
+        reduced = () if logprobs is None else logprobs.reduce(logits, drawn_from, tokens, sampling,
+                                                              num_sampled)  # (row reducers: logprobs)
+        out.set(tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None, *reduced)
 
     def settle(self) -> None:
         """Wait for the steps launched on the thread (whatever they raise is dropped) and forget the last

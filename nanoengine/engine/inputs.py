@@ -1,20 +1,22 @@
 """InputBuilder: flattening a scheduled batch into the model's inputs. Chapters 03 and 05.
 
 The model takes one flat batch of new tokens from many sequences. `InputBuilder.build(scheduled)` lays it
-out in four phases, named as in nano-vllm:
-- decodes: sequences with one new token, first (their rows are 0..num_decodes-1); a sequence verifying k
-  drafts (speculative decoding, chapter 09) is 1 + k decode rows, its last token and its drafts at positions
-  p..p+k, each attending up to its own position (every row's K/V is stored before any row attends), so the
-  step stays decode-only: the fused CPU step and CUDA graphs run it;
-- prefill chunks: then every prompt chunk, with its query start, length, context and block table;
-- block tables: the decode rows' tables, padded into one [num_decode_rows, max_blocks] array;
-- sampling rows: the rows whose logits are sampled, one per sequence that reaches its last token (and every
-  row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
-  `SchedulerOutput.sampled`: its update reads the tokens in that order); and, for a request that asked for
-  prompt logprobs, its prompt rows (each predicts the next prompt token), whose logits come after them.
-Each new token also gets its cache slot (block * block_size + offset), or -1 when a prefix-cache block
-already holds its K/V. It returns the `ModelInput` (tensors and plain numbers: what every rank needs) and
-the sequences of the sampled rows (which stay with the driver, for the sampler and the scheduler).
+out in two passes, named as in nano-vllm, and writes it:
+- decodes (`lay_out_decodes`): sequences with one new token, first (their rows are 0..num_decodes-1); a
+  sequence verifying k drafts (speculative decoding, chapter 09) is 1 + k decode rows, its last token and its
+  drafts at positions p..p+k, each attending up to its own position (every row's K/V is stored before any row
+  attends), so the step stays decode-only: the fused CPU step and CUDA graphs run it;
+- prefill chunks (`lay_out_prefills`): then every prompt chunk, with its query start, length and context;
+- `write`: the rows into host buffers, the decode rows' block tables padded into one [num_decode_rows,
+  max_blocks] array, and the attention metadata.
+Every new token gets its cache slot by one rule (`slot`: block * block_size + offset, or -1 when a
+prefix-cache block already holds its K/V). The sampled rows are one per sequence that reaches its last token
+(every row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
+`SchedulerOutput.sampled`: its update reads the tokens in that order); a request that asked for prompt
+logprobs also gets its prompt rows (each predicts the next prompt token), whose logits come after them.
+`build` returns a `BuiltStep`: the `ModelInput` (tensors and plain numbers: what every rank needs), and what
+stays with the driver: the sequence of each sampled row (for the sampler and the scheduler), the
+prompt-logprob rows and the prompt tokens they predict.
 
 Each ScheduledSeq says where its step starts (`start`: the scheduler has already counted the step's tokens as
 computed when it is built). A decode whose input is still pending (sampled by the step in flight, overlap
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -119,6 +122,41 @@ class PromptRows(NamedTuple):
 class BuiltStep(NamedTuple):
     inputs: ModelInput
     sample_seqs: list[Sequence]  # the sequence of each sampled row
+    prompt_rows: list[PromptRows] = []  # the prompt-logprob rows (ModelInput.logprob_rows), by sequence
+    prompt_targets: list[int] = []  # and the prompt token each of those rows predicts
+
+
+def slot(seq: Sequence, pos: int, block_size: int) -> int:
+    """Where the K/V of `seq`'s position `pos` is written: its block's first slot plus the offset in the
+    block; -1 where a prefix-cache block already holds it (not written again)."""
+    if pos < seq.num_cached_tokens:
+        return -1
+    return seq.block_table[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass(slots=True)
+class Rows:
+    """One step's rows as the builder lays them out: decode rows first, then the prefill chunks."""
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    sample_seqs: list[Sequence] = field(default_factory=list)  # and the sequence of each
+    row_seqs: list[Sequence] = field(default_factory=list)  # each decode row's sequence
+    table_lens: list[int] = field(default_factory=list)  # and its block-table length
+    prev_sampled: int = 0  # > 0: some decode's input is a token of the step before (which sampled this many)
+    starts: list[int] = field(default_factory=list)  # each prefill chunk's first row, length and context
+    qlens: list[int] = field(default_factory=list)
+    ctxs: list[int] = field(default_factory=list)
+    logprob_rows: list[int] = field(default_factory=list)  # prompt rows whose logprobs a request asked for
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)  # the prompt token each of those rows predicts
+
+    def add_prompt_rows(self, seq: Sequence, row: int, first: int, count: int) -> None:
+        """`count` prompt-logprob rows from `row`, predicting seq's prompt tokens first..first+count-1."""
+        self.logprob_rows += range(row, row + count)
+        self.prompt_rows.append(PromptRows(seq, first, count))
+        self.targets += seq.token_ids[first:first + count]
 
 
 # (scheduled, block_size) -> the batch's metadata
@@ -178,127 +216,118 @@ class InputBuilder:
         self.host = self.sets[0]
         self.copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.last_sample_seqs: list[Sequence] = []  # the last built step's sampled rows (its tokens: pending)
-        # the last built step's prompt-logprob rows (ModelInput.logprob_rows), and the token each predicts
-        self.last_prompt_rows: list[PromptRows] = []
-        self.last_prompt_targets: list[int] = []
 
     def build(self, scheduled: list[Any]) -> BuiltStep:
-        """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order)."""
+        """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order): its decode rows, then
+        its prefill chunks, written into this step's host buffers."""
         # a decode verifying k drafts is 1 + k decode rows (positions p..p+k, each attending up to its own),
         # so the step stays decode-only (graphs, the fused CPU step); the learner's metadata sees a chunk
         rows_ok = self.attention_metadata is None
         decodes = [s for s in scheduled if s.num_new_tokens == 1 or (rows_ok and verifies(s))]
         prefills = [s for s in scheduled if s.num_new_tokens > 1 and not (rows_ok and verifies(s))]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        row_seqs: list[Sequence] = []  # each decode row's sequence
-        table_lens: list[int] = []  # each decode row's block-table length
-        logprob_rows: list[int] = []  # prompt rows whose logprobs a request asked for
-        prompt_rows: list[PromptRows] = []
-        targets: list[int] = []
-        block_size = self.block_size
+        rows = Rows()
+        self.lay_out_decodes(decodes, rows)
+        self.lay_out_prefills(prefills, rows)
+        if decodes and prefills:  # sampled rows in scheduled order (the scheduler's `sampled`, its update's)
+            where = {s.seq.seq_id: i for i, s in enumerate(scheduled)}
+            order = sorted(range(len(rows.sample_seqs)), key=lambda r: where[rows.sample_seqs[r].seq_id])
+            rows.sample_rows = [rows.sample_rows[r] for r in order]
+            rows.sample_seqs = [rows.sample_seqs[r] for r in order]
+        return self.write(rows, decodes, prefills, len(scheduled))
 
-        # decodes: one token each; this loop runs for every sequence of every step, so it is written out flat
-        prev_rows = None  # seq_id -> its row in the step before's tokens, once a pending input needs it
-        add_id, add_pos, add_slot, add_len, add_row = (ids.append, positions.append, slots.append,
-                                                       table_lens.append, row_seqs.append)
+    def lay_out_decodes(self, decodes: list[Any], rows: Rows) -> None:
+        """Decode rows: one per sequence with one new token, 1 + k for one verifying k drafts (its last token
+        and its drafts, every row sampled). This loop runs for every sequence of every step, so it is written
+        out flat."""
+        block_size, prev_rows = self.block_size, None  # (seq_id -> its row in the step before's tokens)
+        ids, positions, slots, table_lens, row_seqs = (rows.ids, rows.positions, rows.slots, rows.table_lens,
+                                                       rows.row_seqs)
+        sample_rows, sample_seqs = rows.sample_rows, rows.sample_seqs
         for s in decodes:
             seq = s.seq
             pos = s.start
-            table = seq.block_table
             token_ids = seq.token_ids
             known = len(token_ids)
             if s.num_new_tokens == 1:
                 if pos < known:
-                    add_id(token_ids[pos])
+                    ids.append(token_ids[pos])
                 else:  # its input is the token the step in flight samples for it
                     if prev_rows is None:
                         prev_rows = {x.seq_id: row for row, x in enumerate(self.last_sample_seqs)}
-                    add_id(pending.input_id(prev_rows[seq.seq_id]))
-                add_pos(pos)
-                add_slot(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
-                         + pos % block_size)
-                add_len(len(table))
-                add_row(seq)
+                        rows.prev_sampled = len(self.last_sample_seqs)
+                    ids.append(pending.input_id(prev_rows[seq.seq_id]))
+                positions.append(pos)
+                slots.append(slot(seq, pos, block_size))
+                table_lens.append(len(seq.block_table))
+                row_seqs.append(seq)
                 if pos + 1 >= known:  # it reaches its end: its next token is sampled
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
                 elif pos + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs:  # a 1-token prompt chunk
-                    logprob_rows.append(len(ids) - 1)
-                    prompt_rows.append(PromptRows(seq, pos + 1, 1))
-                    targets.append(token_ids[pos + 1])
+                    rows.add_prompt_rows(seq, len(ids) - 1, pos + 1, 1)
                 continue
-            for p, token in enumerate([seq.token_ids[pos], *seq.spec_token_ids], pos):  # every row sampled
+            for p, token in enumerate([token_ids[pos], *seq.spec_token_ids], pos):  # every row sampled
                 ids.append(token)
                 positions.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-                table_lens.append(len(table))
+                slots.append(slot(seq, p, block_size))
+                table_lens.append(len(seq.block_table))
                 row_seqs.append(seq)
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
 
-        # prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix; a speculating
-        # sequence's chunk is its last token and its drafts
-        starts, qlens, ctxs = [], [], []
-        widest = max(table_lens, default=0)  # block-table columns this step needs
+    def lay_out_prefills(self, prefills: list[Any], rows: Rows) -> None:
+        """Prefill chunks: positions start..start+n-1 of each sequence, after its cached prefix, with its
+        query start, length and context (a chunk with drafts: its last token and its drafts)."""
+        block_size, ids = self.block_size, rows.ids
         for s in prefills:
             seq, start, n = s.seq, s.start, s.num_new_tokens
-            starts.append(len(ids))
-            qlens.append(n)
-            ctxs.append(start + n)
-            table = seq.block_table
-            widest = max(widest, len(table))
+            first = len(ids)
+            rows.starts.append(first)
+            rows.qlens.append(n)
+            rows.ctxs.append(start + n)
             known = len(seq.token_ids)
             chunk = seq.token_ids[start:start + n]
             if start + n > known:
                 chunk += seq.spec_token_ids
-            for pos, token in enumerate(chunk, start):
-                ids.append(token)
-                positions.append(pos)
-                # a token whose K/V already sits in a shared prefix-cache block is not written again
-                slots.append(-1 if pos < seq.num_cached_tokens else table[pos // block_size] * block_size
-                             + pos % block_size)
+            ids += chunk
+            rows.positions += range(start, start + n)
+            rows.slots += [slot(seq, pos, block_size) for pos in range(start, start + n)]
             last = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token: before it
             if last > start and seq.wants_prompt_logprobs:
-                logprob_rows += range(starts[-1], starts[-1] + last - start)
-                prompt_rows.append(PromptRows(seq, start + 1, last - start))
-                targets += seq.token_ids[start + 1:last + 1]
+                rows.add_prompt_rows(seq, first, start + 1, last - start)
             if start + n >= known:  # the chunk reaches the end: its last known token's row and the drafts'
                 for pos in range(known - 1, start + n):
-                    sample_rows.append(len(ids) - (start + n - pos))
-                    sample_seqs.append(seq)
+                    rows.sample_rows.append(first + pos - start)
+                    rows.sample_seqs.append(seq)
 
-        if decodes and prefills:  # sampled rows in scheduled order (the scheduler's `sampled`, its update's)
-            where = {s.seq.seq_id: i for i, s in enumerate(scheduled)}
-            order = sorted(range(len(sample_seqs)), key=lambda r: where[sample_seqs[r].seq_id])  # (stable)
-            sample_rows = [sample_rows[r] for r in order]
-            sample_seqs = [sample_seqs[r] for r in order]
-
+    def write(self, rows: Rows, decodes: list[Any], prefills: list[Any], num_seqs: int) -> BuiltStep:
+        """The laid-out rows into this step's host buffers, with the batch's attention metadata (the
+        engine's, or the learner's), as a ModelInput on the device."""
+        block_size = self.block_size
+        widest = max(max(rows.table_lens, default=0),  # block-table columns this step needs
+                     max((len(s.seq.block_table) for s in prefills), default=0))
         # (a speculating sequence samples 1 + k rows)
-        host = self.host_buffers(len(ids), max(len(scheduled), len(sample_rows), len(row_seqs)), widest)
-        n = len(ids)
-        host.ids[:n] = ids
-        host.positions[:n] = positions
+        host = self.host_buffers(len(rows.ids), max(num_seqs, len(rows.sample_rows), len(rows.row_seqs)),
+                                 widest)
+        n, nd, sample_rows = len(rows.ids), len(rows.row_seqs), rows.sample_rows
+        host.ids[:n] = rows.ids
+        host.positions[:n] = rows.positions
         host.sample_rows[:len(sample_rows)] = sample_rows
-        rows = host.sample_rows_t[:len(sample_rows)]
-        nd = len(row_seqs)
-        prev = len(self.last_sample_seqs) if prev_rows is not None else 0  # (only a decode's input pends)
-        self.last_sample_seqs = sample_seqs
-        self.last_prompt_rows, self.last_prompt_targets = prompt_rows, targets
-        lp_rows = torch.tensor(logprob_rows, dtype=torch.int64) if logprob_rows else no_rows()  # [P]
+        sampled = host.sample_rows_t[:len(sample_rows)]
+        self.last_sample_seqs = rows.sample_seqs
+        lp_rows = torch.tensor(rows.logprob_rows, dtype=torch.int64) if rows.logprob_rows else no_rows()
+        # (lp_rows [P]: the prompt-logprob rows)
+        built = partial(BuiltStep, sample_seqs=rows.sample_seqs, prompt_rows=rows.prompt_rows,
+                        prompt_targets=rows.targets)
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
-            return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows,
-                                                       prev, lp_rows)), sample_seqs)
-
-        host.slots[:n] = slots
+            return built(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled,
+                                                   rows.prev_sampled, lp_rows)))
+        host.slots[:n] = rows.slots
         # block tables of the decodes, and their context lengths (the new token included)
         if decodes:
-            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(row_seqs, table_lens)]
-            host.context_lens[:nd] = [p + 1 for p in positions[:nd]]  # each row's context, its token included
+            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(rows.row_seqs, rows.table_lens)]
+            host.context_lens[:nd] = [p + 1 for p in rows.positions[:nd]]  # each row's context, its token too
             dctx = host.context_lens_t[:nd]
         else:
             dtables = dctx = None
@@ -309,10 +338,10 @@ class InputBuilder:
             ptables.append(host.prefill_tables_t[i, :len(table)])
         meta = AttentionMetadata(
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
-            decode_context_lens=dctx, prefill_query_starts=starts, prefill_query_lens=qlens,
-            prefill_context_lens=ctxs, prefill_block_tables=ptables, block_size=block_size)
-        return BuiltStep(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, rows, prev,
-                                                   lp_rows)), sample_seqs)
+            decode_context_lens=dctx, prefill_query_starts=rows.starts, prefill_query_lens=rows.qlens,
+            prefill_context_lens=rows.ctxs, prefill_block_tables=ptables, block_size=block_size)
+        return built(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled,
+                                               rows.prev_sampled, lp_rows)))
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
         """This step's set of host buffers (the sets take turns), free to overwrite (the copies out of it are

@@ -27,6 +27,7 @@ import torch
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.executor import Executor
+from nanoengine.engine.hooks import DraftSource, NoGrammars, StepObserver, draft_source
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.interrupts import held_interrupts
 from nanoengine.engine.logits_masks import chain, min_tokens_mask
@@ -41,7 +42,7 @@ from nanoengine.errors import InvalidValueError
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.tokenizer import eos_token_ids
-from nanoengine.trace import RunTrace, StepStats
+from nanoengine.trace import RunTrace, StepStats, TraceRecorder
 
 if TYPE_CHECKING:
     from nanoengine.spec.verify import SpecCounts
@@ -50,30 +51,12 @@ if TYPE_CHECKING:
 STATS_KEPT = 100_000  # StepStats kept by an engine (~25 MB)
 
 
-class NoGrammars:
-    """An engine's structured outputs while no request has asked for them: no grammar, no mask."""
-
-    def add(self, seq: Sequence) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
-
-    def samples_grammar(self, seqs: Any) -> bool:
-        return False
-
-    def advance(self, appended: Any) -> None:
-        pass
-
-    def mask(self, seqs: list[Sequence]) -> None:
-        return None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, plan: EnginePlan, parts: EngineParts, executor: Executor,
                  tokenizer: Any, build_engine: Callable[..., Any] | None = None) -> None:
         """The engine over a started executor (see nanoengine.launch.build_engine, which makes the rest and
-        hands itself down as `build_engine`, for a draft model's engine)."""
+        hands itself down as `build_engine`, for a draft model's engine). Its hooks (engine/hooks.py): the
+        draft source, the logits masks and the step observers."""
         self.config = config  # what the user asked for
         self.plan = plan  # what it resolved to here
         self.model_path = plan.model_path
@@ -82,18 +65,16 @@ class LLMEngine:
         self.block_manager = parts.block_manager_class(executor.num_kv_blocks, plan.block_size,
                                                        plan.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(plan.model_path, plan.hf_config, tokenizer)
-        self.speculator = None  # speculative decoding (nanoengine/spec/, imported only when it is asked for)
-        if config.speculative_config is not None:
-            from nanoengine.spec import make_speculator
-
-            self.speculator = make_speculator(config.speculative_config, plan, tokenizer,
-                                              executor.num_kv_blocks, parts.ngram_proposer_class,
-                                              parts.accept, build_engine)
+        self.drafts: DraftSource = draft_source(config, plan, parts, tokenizer, executor.num_kv_blocks,
+                                                build_engine)  # speculative decoding's, or none
+        # told of every request and step: the draft source (its cost model), and a trace's recorder while
+        # one records (start_trace)
+        self.observers: list[StepObserver] = [self.drafts]
         self.scheduler = parts.scheduler_class(self.block_manager, self.eos_token_ids,
                                                max_num_batched_tokens=plan.max_num_batched_tokens,
                                                max_num_seqs=plan.max_num_seqs,
                                                max_model_len=plan.max_model_len,
-                                               policy=plan.scheduling_policy, speculator=self.speculator)
+                                               policy=plan.scheduling_policy)
         self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
@@ -108,7 +89,7 @@ class LLMEngine:
         self.step_count = 0  # steps finished
         self.in_flight: LaunchedStep | None = None  # the step launched and not yet finished (overlap)
         self.deferred_error: BaseException | None = None  # for the next step() to raise (see step)
-        self.trace: RunTrace | None = None
+        self.trace: RunTrace | None = None  # what start_trace records into (its recorder: an observer)
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run (clear_stats)
         self.stats: deque[StepStats] = deque(maxlen=STATS_KEPT)
@@ -145,8 +126,8 @@ class LLMEngine:
         for s in request.seqs:
             self.scheduler.add(s)
             self.grammars.add(s)
-        if self.trace is not None:
-            self.trace.add_prompts(request.seqs)
+        for observer in self.observers:
+            observer.added(request.seqs)
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -162,6 +143,7 @@ class LLMEngine:
             self.scheduler.abort(s)
             self.sampling.release(s)
             self.grammars.release(s)
+            self.drafts.release(s)
         if not self.scheduler.has_unfinished():
             self.drain()  # a step in flight now samples for no one: finish it, so the engine is idle
 
@@ -179,17 +161,17 @@ class LLMEngine:
     @property
     def spec_counts(self) -> SpecCounts:
         """What speculative decoding did (zero without it)."""
-        if self.speculator is not None:
-            return self.speculator.counts
-        from nanoengine.spec.verify import SpecCounts
+        counts = self.drafts.counts
+        if counts is None:
+            from nanoengine.spec.verify import SpecCounts
 
-        return SpecCounts()
+            counts = SpecCounts()
+        return counts
 
     def close(self) -> None:
         """Stop the executor's ranks (tensor parallelism's worker processes), and a draft model's engine."""
         self.executor.close()
-        if self.speculator is not None:
-            self.speculator.close()
+        self.drafts.close()
 
     def has_unfinished(self) -> bool:
         """Sequences to run, a step in flight to finish, or an error to raise."""
@@ -198,12 +180,15 @@ class LLMEngine:
 
     def start_trace(self) -> RunTrace:
         """Record a StepTrace of every step from now on, into the RunTrace returned (`stop_trace` ends it)."""
+        self.stop_trace()
         self.trace = RunTrace(block_size=self.plan.block_size, num_blocks=self.block_manager.num_blocks,
                               max_num_batched_tokens=self.plan.max_num_batched_tokens,
                               start_time=time.perf_counter() - self.start_time)
+        self.observers.append(TraceRecorder(self.trace, self.scheduler, self.block_manager))
         return self.trace
 
     def stop_trace(self) -> None:
+        self.observers = [o for o in self.observers if not isinstance(o, TraceRecorder)]
         self.trace = None
 
     def clear_stats(self) -> None:
@@ -246,6 +231,7 @@ class LLMEngine:
         before, out, launched = self.in_flight, None, None
         started = time.perf_counter()
         try:
+            self.drafts.propose(self.scheduler)  # speculative decoding's drafts, if any (hooks.py)
             with held_interrupts():
                 out = self.scheduler.schedule()  # before the forward: the batch, committed
             launched = self.launch(out, started)  # its inputs laid out; the forward and the draw started
@@ -269,10 +255,9 @@ class LLMEngine:
         started = scheduled if started is None else started
         if not out.scheduled:
             return LaunchedStep(out, None, StepTimes(started, scheduled, scheduled, scheduled))
-        inp, sample_seqs = self.inputs.build(out.scheduled)  # (the sequence of each sampled row)
-        sampling = self.sampling.batch(sample_seqs)
-        prompt_rows = self.inputs.last_prompt_rows
-        wanted = self.logprobs.wanted(sampling, prompt_rows, self.inputs.last_prompt_targets)  # (None: none)
+        inp, sample_seqs, prompt_rows, targets = self.inputs.build(out.scheduled)
+        sampling = self.sampling.batch(sample_seqs)  # (the sequence of each sampled row)
+        wanted = self.logprobs.wanted(sampling, prompt_rows, targets)  # (None: none)
         mask = self.grammars.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
             mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
@@ -292,8 +277,10 @@ class LLMEngine:
         tokens = step.forward.tokens() if step.forward is not None else []  # (where Ctrl-C usually lands)
         t_known = time.perf_counter()
         with held_interrupts():  # the books are written whole
+            tokens = self.drafts.verify(step.scheduled, tokens)  # the drafts the model's tokens keep
             update = self.scheduler.update(step.scheduled, tokens)
             step.scheduled.updated = True  # from here on the step is done: a later error does not undo it
+            self.drafts.verified(self.scheduler, step.scheduled, update)
             self.grammars.advance(update.appended)  # the grammars' matchers take the tokens put in place
             self.logprobs.deliver(step, update, self.requests)  # the logprobs to the requests that asked
             t_updated = time.perf_counter()
@@ -339,11 +326,8 @@ class LLMEngine:
                              forward_start=None if span is None else span[0] - clock,
                              forward_end=None if span is None else span[1] - clock)
         self.stats.append(stats)
-        if self.speculator is not None and stats.decode_tokens and not stats.prefill_tokens:
-            self.speculator.observe_step(stats.decode_tokens, stats.forward_s)  # (the drafts' cost, measured)
-        if self.trace is not None:
-            self.trace.record(step.scheduled, update.finished, stats, self.scheduler.running,
-                              self.block_manager)
+        for observer in self.observers:  # (a trace, speculation's cost model)
+            observer.observe(step, update, stats)
         self.step_count += 1
         return stats
 
@@ -387,6 +371,7 @@ class LLMEngine:
         for seq in update.finished:
             self.sampling.release(seq)
             self.grammars.release(seq)
+            self.drafts.release(seq)
             req = self.requests[seq.request_id]
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
@@ -411,7 +396,7 @@ class LLMEngine:
                                     "kv_cache_memory_gb)")
         self.block_manager.allocate(seq, seq.num_tokens)
         try:
-            inp, _ = self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)])
+            inp = self.inputs.build([ScheduledSeq(seq, seq.num_tokens, True)]).inputs
             every_row = dataclasses.replace(inp, sample_rows=torch.arange(inp.num_tokens,
                                                                           device=inp.input_ids.device))
             return self.executor.execute(every_row)  # [T, vocab]

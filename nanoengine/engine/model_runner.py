@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,16 +29,20 @@ from nanoengine.attention import AttentionMetadata
 from nanoengine.engine import pending
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.kernels import cpu as cpu_kernels
-from nanoengine.layers.linear import prepack_weights, use_bf16_prefill, use_bf16_weights
-from nanoengine.layers.quant import quantize_weights
 from nanoengine.layers.tp_group import TPGroup
 from nanoengine.models import get_model_class, hf_config
 from nanoengine.models.fused_decode import FusedDecode
 from nanoengine.models.loader import load_model
+from nanoengine.models.weight_copies import prepare_weights
 from nanoengine.plan import DecodeMode, EnginePlan, FixedKVBlocks, GPUMemoryShare, kv_blocks_within
 
 if TYPE_CHECKING:
     from nanoengine.engine.parts import EngineParts
+
+
+def takes_none(inp: ModelInput) -> bool:
+    """The decode path of an engine without one: every step runs eagerly."""
+    return False
 
 
 def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,14 +87,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, plan.model_path)
         self.model.eval()
-        if plan.int8_weight_rows:  # int8 copies of this rank's shards, the weights dequantized (chapter 08)
-            quantize_weights(self.model, cpu_kernels.load(), plan.int8_weight_rows)
-        if plan.prepack_weights:
-            prepack_weights(self.model)
-        if plan.bf16_weight_rows:  # the C++ extension's bf16_linear (whatever kernels the norms use)
-            use_bf16_weights(self.model, cpu_kernels.load(), plan.bf16_weight_rows)
-        if plan.prefill_dtype != plan.dtype:  # prefill_dtype="bfloat16": bf16 matmuls for prefill batches
-            use_bf16_prefill(self.model)
+        prepare_weights(self.model, plan)  # the plan's CPU weight copies (int8, bf16, prepacked), if any
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf_config.num_kv_heads(hf) // self.tp.size  # this rank's KV heads
         self.head_dim = hf_config.head_dim(hf)
@@ -97,12 +95,17 @@ class ModelRunner:
         self.fused: FusedDecode | None = None  # with decode mode FUSED_CPU
         self.graph_memory_bytes = 0  # the graph pool, measured before sizing the KV cache (CUDA)
         self.num_blocks = self.allocate_kv_cache()
+        # the decode path the plan's decode mode names: (takes(inp), run(inp)); other steps run eagerly
+        self.decode_path: tuple[Callable[[ModelInput], bool], Callable[[ModelInput], torch.Tensor]]
+        self.decode_path = (takes_none, self.eager_forward)
         match plan.decode_mode:
             case DecodeMode.CUDA_GRAPHS | DecodeMode.STAND_IN:
                 self.graphs = self.make_graphs()
                 self.graphs.capture()
+                self.decode_path = (self.graphs.can_replay, self.graphs.replay)
             case DecodeMode.FUSED_CPU:  # built on the caches just bound
                 self.fused = FusedDecode(self.model, cpu_kernels.load())
+                self.decode_path = (self.fused.can_run, self.fused)
 
     # ------------------------------------------------------------------------------------------ KV cache
     def allocate_kv_cache(self) -> int:
@@ -218,11 +221,8 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: through the decode path (graph replay, or one C++ call) for a
         decode step it takes, else eagerly."""
-        if self.graphs is not None and self.graphs.can_replay(inp):
-            return self.graphs.replay(inp)
-        if self.fused is not None and self.fused.can_run(inp):
-            return self.fused(inp)
-        return self.eager_forward(inp)
+        takes, run = self.decode_path
+        return run(inp) if takes(inp) else self.eager_forward(inp)
 
     def eager_forward(self, inp: ModelInput) -> torch.Tensor:
         """Prepare the step's attention once (the backend's `prepare`), then run the model: hidden states

@@ -20,34 +20,28 @@ The scheduler is called twice per step, as in vLLM v1:
   sample (a pending token: nanoengine/engine/pending.py). So with overlap scheduling the next step can be
   scheduled before this one's tokens are known.
 - `update(out, tokens)`, after the forward: puts each sampled token in its place (with
-  speculation, the drafts the model's tokens keep and its own next token), caches the blocks they complete,
-  applies the stop rules token by token, frees finished sequences' blocks and rolls back the blocks only
-  rejected drafts wrote.
+  speculation, the drafts kept and the model's own next token), caches the blocks they complete, applies the
+  stop rules token by token and frees finished sequences' blocks.
 If a step fails (an error in the forward, Ctrl-C), `forget(steps)` undoes what committing it did, the
 prefix-cache entries of blocks it would have written included, so nothing the step never computed is reused.
 
-With a speculator (speculative decoding, chapter 09) a decoding sequence gets drafts and is scheduled with
-1 + k tokens (the drafts cut to what the budget, its length limit and the free blocks allow; without room it
-decodes plainly); the drafts of all of a step's decoding sequences are asked for at once, before the pass
-(`propose_drafts`), and how many each asks for is the speculator's policy; `update` asks the speculator
-which of them the model's tokens keep and tells it (its policy learns from it), and a sequence that finishes
-is forgotten by it.
+A sequence may carry drafts to verify (speculative decoding, chapter 09: `seq.spec_token_ids`, set before the
+step by the engine's draft source, engine/hooks.py): it is then scheduled with 1 + k tokens (its drafts cut to
+what the budget and the free blocks allow; without room it decodes plainly) and samples 1 + k rows. Which of
+them it keeps is decided before `update` (the draft source cuts its drafts to those kept), so `update` puts in
+place its kept drafts and the model's own next token alike; the scheduler never asks who drafted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from nanoengine.config import SCHEDULING_POLICIES
 from nanoengine.engine import pending
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.errors import InvalidValueError
-
-if TYPE_CHECKING:
-    from nanoengine.spec import Speculator
 
 SKIP_AHEAD_LIMIT = 32  # "skip_ahead": waiting sequences that do not fit tried per step before admission stops
 
@@ -79,6 +73,7 @@ class SchedulerOutput:
     # recomputed) tokens, the rest being decodes; and its number
     sampled: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
+    num_drafts: int = 0  # drafts among its sampled rows (a draft source cuts it to those kept, before update)
     step: int = 0
     # also set when it is committed, for `Scheduler.forget`: the blocks it put in the prefix cache before
     # their K/V exist
@@ -109,11 +104,9 @@ class StepUpdate:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
-                 speculator: Speculator | None = None) -> None:
+                 max_num_seqs: int, max_model_len: int, policy: str = "fcfs") -> None:
         """The engine's limits come from its plan: a step's token budget, the sequences running at once, the
-        longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead");
-        `speculator`: speculative decoding's (None: off)."""
+        longest a sequence may grow (prompt + output), and the admission policy ("fcfs" or "skip_ahead")."""
         if policy not in SCHEDULING_POLICIES:
             raise InvalidValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.policy = policy
@@ -123,12 +116,16 @@ class Scheduler:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = set(eos_token_ids)
-        self.speculator = speculator
         self.num_steps = 0  # steps committed
         # a sequence can never hold more tokens than the pool has slots (matters for max_tokens=None)
         self._max_len = min(self.max_model_len, block_manager.num_blocks * self.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens a sequence may hold here (max_model_len, or what the whole pool holds if less)."""
+        return self._max_len
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -181,17 +178,18 @@ class Scheduler:
         for seq in admitted(out):
             if seq.num_prompt_cached_tokens is None:  # its first admission (what outputs report, as vLLM)
                 seq.num_prompt_cached_tokens = seq.num_cached_tokens
-        sampled, prefill = out.sampled, 0
+        sampled, prefill, drafts = out.sampled, 0, 0
         for s in out.scheduled:
             seq = s.seq
-            # (drafts count as computed once they are kept: update)
-            seq.num_computed_tokens = computed = s.start + s.num_new_tokens - len(seq.spec_token_ids)
+            extra = len(seq.spec_token_ids)  # drafts count as computed once they are kept (update)
+            seq.num_computed_tokens = computed = s.start + s.num_new_tokens - extra
             if computed == len(seq.token_ids) + seq.num_pending_tokens:  # it reaches its end
                 pending.hold_place(seq)
                 sampled.append(seq)
+                drafts += extra
             if s.is_prefill:
                 prefill += s.num_new_tokens
-        out.num_prefill_tokens = prefill
+        out.num_prefill_tokens, out.num_drafts = prefill, drafts
         return out
 
     def pick(self) -> SchedulerOutput:
@@ -205,22 +203,22 @@ class Scheduler:
         # 1) running sequences, oldest first: decodes and the rest of chunked prefills. This loop runs for
         #    every sequence of every step: the block manager's arithmetic (blocks_needed, fills_a_block) and
         #    seq.is_prefill are written out here
-        i, running, speculator = 0, self.running, self.speculator
-        drafts = self.propose_drafts(budget) if speculator is not None else {}
+        i, running = 0, self.running
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_pending_tokens  # seq.num_tokens
-            n = total - computed if total - computed < budget else budget
-            if n == 0 or (seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len)):
+            need = total - computed  # the tokens it must compute
+            if need == 0 or (seq.num_pending_tokens and pending.ends_at_length(seq, self._max_len)):
                 i += 1  # nothing to compute until it has a token, or its pending token is its last
                 continue
-            if speculator is not None:  # a decode verifies its drafts with it (cut to the budget left)
-                seq.spec_token_ids = drafts.get(seq.seq_id, [])[:budget - 1] if n == 1 else []
-                n += len(seq.spec_token_ids)
-                if seq.spec_token_ids and not bm.can_allocate(seq, n):  # no room for them: plain decode
-                    seq.spec_token_ids, n = [], 1
+            n = need + len(seq.spec_token_ids)  # a decode verifies the drafts proposed for it (hooks.py)
+            if n > budget:  # cut to the budget left (drafts first)
+                n = budget
+                del seq.spec_token_ids[max(n - need, 0):]
             if computed + n > len(seq.block_table) * block_size:  # needs blocks: most decodes do not
+                if n > need and not bm.can_allocate(seq, n):  # no room for its drafts: a plain decode
+                    seq.spec_token_ids, n = [], need
                 while not bm.can_allocate(seq, n):
                     victim = running.pop()  # the newest; always at index >= i
                     out.blocks_freed += self._preempt(victim)
@@ -290,31 +288,6 @@ class Scheduler:
         bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         return n
 
-    def propose_drafts(self, budget: int) -> dict[int, list[int]]:
-        """The speculator's drafts for every running sequence this step decodes (by seq_id), asked for all at
-        once (a draft model decodes them as one batch). Each gets at most one fewer than the tokens it may
-        still grow by (the model adds one of its own) and than the budget left after the sequences before it
-        (their drafts aside: `pick` cuts each to what is left when it comes). A sequence with structured
-        outputs gets none: it decodes plainly (its drafts are not checked against its grammar)."""
-        seqs: list[Sequence] = []
-        limits: list[int] = []
-        for seq in self.running:
-            if budget <= 0:
-                break
-            left = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
-            if left == 1 and not seq.num_pending_tokens and seq.sampling_params.structured_outputs is None:
-                room = self._max_len - seq.num_tokens
-                max_tokens = seq.sampling_params.max_tokens
-                if max_tokens is not None:
-                    room = min(room, max_tokens - seq.num_completion_tokens)
-                if min(room, budget) > 1:
-                    seqs.append(seq)
-                    limits.append(min(room, budget) - 1)
-            budget -= min(left, budget)
-        if not seqs:
-            return {}
-        return {seq.seq_id: d for seq, d in zip(seqs, self.speculator.propose_many(seqs, limits)) if d}
-
     def forget(self, steps: list[SchedulerOutput]) -> None:
         """After a failed (or interrupted) step: the committed steps that never finished (in order) are
         undone, as if they had never been scheduled. Blocks they put in the prefix cache lose their hashes
@@ -356,32 +329,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def update(self, out: SchedulerOutput, tokens: list[int]) -> StepUpdate:
-        """The step's tokens are known: one for each sequence of `out.sampled`, in order (a speculating
-        sequence's 1 + k: the model's token at its last token and at each draft). Each one's new tokens take
-        their places, the blocks they complete are cached, and the stop rules apply token by token (a sequence
-        stops at the first: the rest are never appended; its blocks are freed into `out.blocks_freed`).
-        With speculation the speculator says which tokens a sequence keeps (its accepted drafts, whose K/V
-        this step computed, and the model's own next token), and the blocks past them are freed. A sequence
-        that finished meanwhile (aborted, or stopped by the token before: overlap) ignores its row."""
+        """The step's tokens are known: for each sequence of `out.sampled`, in order, the model's next token,
+        preceded by the drafts it kept (speculative decoding: the draft source has already cut each one's
+        `spec_token_ids` to those, and `tokens` to its kept tokens, engine/hooks.py). Each one's new tokens
+        take their places (kept drafts' K/V are in the cache: they count as computed), the blocks they
+        complete are cached, and the stop rules apply token by token (a sequence stops at the first: the rest
+        are never appended; its blocks are freed into `out.blocks_freed`). A sequence that finished meanwhile
+        (aborted, or stopped by the token before: overlap) ignores its rows."""
         result = StepUpdate()
         bm, finished = self.block_manager, SequenceStatus.FINISHED
-        drafted = 0 if self.speculator is None else sum(len(seq.spec_token_ids) for seq in out.sampled)
-        if len(tokens) != len(out.sampled) + drafted:
+        if len(tokens) != len(out.sampled) + out.num_drafts:
             raise InvalidValueError(f"update: got {len(tokens)} tokens for a step that samples "
-                                    f"{len(out.sampled)} sequences (+ their drafts); pass one per sequence "
-                                    "of out.sampled, in order")
+                                    f"{len(out.sampled)} sequences (+ {out.num_drafts} drafts kept); pass "
+                                    "one per sequence of out.sampled, in order")
         block_size, appended, i = self.block_size, result.appended, 0
         eos, max_len = self.eos_token_ids, self._max_len
         for seq in out.sampled:
-            drafts = seq.spec_token_ids
-            new = tokens[i:i + 1 + len(drafts)] if drafts else [tokens[i]]
+            extra = len(seq.spec_token_ids)  # the drafts it kept (none without speculation)
+            new = tokens[i:i + 1 + extra] if extra else [tokens[i]]
             row, i = i, i + len(new)
             if seq.status is finished:
                 result.late_rows += len(new)
                 continue
-            if drafts:
-                new = self.speculator.verify(drafts, new)
-                seq.num_computed_tokens += len(new) - 1  # the kept drafts' K/V are in the cache
+            seq.num_computed_tokens += extra
             seq.num_pending_tokens -= 1
             token_ids = seq.token_ids
             known = len(token_ids)
@@ -394,12 +364,6 @@ class Scheduler:
                     break
             if len(token_ids) // block_size > known // block_size:  # most tokens complete no block
                 bm.cache_full_blocks(seq)
-            if drafts:
-                self.speculator.verified(seq.seq_id, out.step, len(drafts), len(new) - 1,
-                                         min(len(taken), len(new) - 1), len(taken))
-                seq.spec_token_ids = []
-                if reason is None:
-                    out.blocks_freed += bm.truncate(seq, seq.num_tokens)  # only rejected drafts wrote them
             appended.append((seq, taken))
             result.rows.append(row)
             if reason is not None:
@@ -438,8 +402,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.num_pending_tokens = 0  # tokens a step in flight samples past the end are never shown
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if self.speculator is not None:
-            self.speculator.forget(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -33,6 +33,20 @@ class LogprobsWanted:
     prompt_targets: torch.Tensor | None = None  # [P] int64
     prompt_k: int = 0
 
+    def reduce(self, logits: torch.Tensor | None, drawn_from: torch.Tensor | None,
+               tokens: torch.Tensor | None, sampling: SamplingBatch,
+               num_sampled: int) -> tuple[RowLogprobs | None, RowLogprobs | None]:
+        """A row reducer after the draw (what the executor returns with the step's tokens): the sampled rows'
+        logprobs and the prompt rows'. `logits` [S (+ P), V]: the model's, the prompt rows after the sampled
+        ones; `drawn_from` [S, V]: what the tokens [S] were drawn from (masked: grammars, min_tokens)."""
+        sampled = prompt = None
+        if logits is not None and logits.shape[0] > num_sampled:
+            prompt = prompt_logprobs(logits[num_sampled:], self)
+        if tokens is not None and self.sampled_k is not None:
+            of = drawn_from if self.mode == PROCESSED else logits[:num_sampled]
+            sampled = sampled_logprobs(of, tokens, sampling, self)
+        return sampled, prompt
+
 
 @dataclass
 class RowLogprobs:

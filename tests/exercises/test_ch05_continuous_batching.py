@@ -369,7 +369,7 @@ FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", 
 
 
 def engine_flat(scheduled, builder: InputBuilder) -> dict:
-    inp, sample_seqs = builder.build(scheduled)
+    inp, sample_seqs = builder.build(scheduled)[:2]
     # (the engine hands its sampled rows over in scheduled order; the exercise lists them in row order)
     sampled = sorted(zip(inp.sample_rows.tolist(), [s.seq_id for s in sample_seqs]))
     a = inp.attn

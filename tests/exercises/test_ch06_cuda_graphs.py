@@ -161,7 +161,8 @@ def decode_steps(llm: LLM, lengths=(14, 3, 9, 5, 11, 7)):
             for p, n in zip(PROMPTS, lengths)]
     while eng.has_unfinished():
         out = eng.scheduler.schedule()
-        inp, sample_seqs = eng.inputs.build(out.scheduled)
+        built = eng.inputs.build(out.scheduled)
+        inp, sample_seqs = built.inputs, built.sample_seqs
         if inp.is_decode_only:
             yield inp
         forward = eng.executor.launch(inp, eng.sampling.batch(sample_seqs))
