@@ -24,14 +24,11 @@ scheduling) gets a reference to that step's row as its input id, -(row + 1), and
 tokens that step samples (`prev_sampled`): the model runner reads those ids from the executor's last tokens,
 on the device (nanoengine/engine/pending.py).
 
-Plain Python and numpy over Sequences, written into host buffers allocated once and reused (pinned on CUDA,
-so the copies to the device are asynchronous: `non_blocking=True`, no host sync; they are issued on a side
-stream, and the step's stream waits for them). There are two sets, used in turn, so a step can be built while
-the one before still reads its inputs; a set is overwritten only after its copies are done. On CPU the
-ModelInput's tensors are views of those buffers, valid until the build after next. A decode-only
-`ModelInput` is all fixed-width tensors (ids, positions, slots, context lengths [B]; block tables [B, W]),
-which a CUDA-graph runner copies into its padded static buffers as they are. No model: it is tested on its
-own.
+Plain Python and numpy over Sequences, written into host buffers allocated once and reused
+(engine/host_buffers.py: two sets used in turn, pinned on CUDA so the copies to the device are asynchronous,
+issued on a side stream the step's stream waits for). A decode-only `ModelInput` is all fixed-width tensors
+(ids, positions, slots, context lengths [B]; block tables [B, W]), which a CUDA-graph runner copies into its
+padded static buffers as they are. No model: it is tested on its own.
 """
 
 from __future__ import annotations
@@ -41,11 +38,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from nanoengine.attention import AttentionMetadata
 from nanoengine.engine import pending
+from nanoengine.engine.host_buffers import HostBuffers
 from nanoengine.engine.sequence import Sequence
 
 
@@ -161,43 +158,6 @@ class Rows:
 
 # (scheduled, block_size) -> the batch's metadata
 MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]
-
-
-class HostBuffers:
-    """The host memory a step's inputs are written into, allocated once (pinned for a CUDA device) and grown
-    only when a step needs more: numpy views to fill, torch views to hand out (the same memory). It keeps the
-    decode block tables it last held (see `InputBuilder.decode_block_tables`) and, on CUDA, the event of the
-    last copies out of it."""
-
-    def __init__(self, tokens: int, seqs: int, blocks: int, pin: bool) -> None:
-        self.tokens, self.seqs, self.blocks, self.pin = tokens, seqs, blocks, pin
-        self.copied = torch.cuda.Event() if pin else None
-        self.decode_ids: list[tuple[int, int]] = []  # the last decode batch's sequences (id, table resets)
-        self.decode_lens: list[int] = []  # and their table lengths
-        self.dirty = (0, 0)  # rows and columns of decode_tables that may hold a block id
-
-        def alloc(*shape: int) -> tuple[torch.Tensor, np.ndarray]:
-            t = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
-            return t, t.numpy()
-
-        self.ids_t, self.ids = alloc(tokens)
-        self.positions_t, self.positions = alloc(tokens)
-        self.slots_t, self.slots = alloc(tokens)
-        self.sample_rows_t, self.sample_rows = alloc(seqs)
-        self.context_lens_t, self.context_lens = alloc(seqs)
-        self.decode_tables_t, self.decode_tables = alloc(seqs, blocks)  # padded with 0
-        self.prefill_tables_t, self.prefill_tables = alloc(seqs, blocks)
-
-    def fits(self, tokens: int, seqs: int, blocks: int) -> bool:
-        return tokens <= self.tokens and seqs <= self.seqs and blocks <= self.blocks
-
-    def grown(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
-        """Larger buffers (at least double what is short), for a step these do not fit."""
-        def size(have: int, need: int) -> int:
-            return have if need <= have else max(need, 2 * have)
-
-        return HostBuffers(size(self.tokens, tokens), size(self.seqs, seqs), size(self.blocks, blocks),
-                           self.pin)
 
 
 class InputBuilder:

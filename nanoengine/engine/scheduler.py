@@ -25,11 +25,9 @@ The scheduler is called twice per step, as in vLLM v1:
 If a step fails (an error in the forward, Ctrl-C), `forget(steps)` undoes what committing it did, the
 prefix-cache entries of blocks it would have written included, so nothing the step never computed is reused.
 
-A sequence may carry drafts to verify (speculative decoding, chapter 09: `seq.spec_token_ids`, set before the
-step by the engine's draft source, engine/hooks.py): it is then scheduled with 1 + k tokens (its drafts cut to
-what the budget and the free blocks allow; without room it decodes plainly) and samples 1 + k rows. Which of
-them it keeps is decided before `update` (the draft source cuts its drafts to those kept), so `update` puts in
-place its kept drafts and the model's own next token alike; the scheduler never asks who drafted.
+A decode may carry drafts (speculative decoding, chapter 09: `seq.spec_token_ids`, put there before the step
+by the engine's draft source, engine/hooks.py): it is scheduled with 1 + k tokens (cut to what the budget and
+the free blocks allow) and samples 1 + k rows; the draft source keeps what it accepts before `update`.
 """
 
 from __future__ import annotations
