@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from tp_workload import GREEDY, PROMPTS
+from tp_workload import GREEDY, PROMPTS, child_pids
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.errors import WorkerError
@@ -24,21 +24,6 @@ pytestmark = [pytest.mark.xdist_group("notebooks"),
               pytest.mark.skipif(not sys.platform.startswith("linux"),
                                  reason="reads /proc for child processes")]
 
-
-
-def child_pids() -> list[int]:
-    """Live (not zombie) children of this process, except multiprocessing's resource tracker (one per
-    process that ever spawned, shared by all; it ends with its parent)."""
-    me, kids = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            cmdline = open(f"/proc/{pid}/cmdline").read()
-        except OSError:
-            continue
-        if int(stat[1]) == me and stat[0] != "Z" and "resource_tracker" not in cmdline:
-            kids.append(int(pid))
-    return kids
 
 
 def no_children_within(seconds: float) -> list[int]:

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+from tp_workload import child_pids
+
 POINT = sys.argv[1]
 NTH = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 OPTIONS = {"async_scheduling": True} if "overlap" in sys.argv[3:] else {}  # CPU overlap: a forward thread
@@ -56,19 +58,6 @@ def stuck_in_the_mlp(runner):  # sent by name to the worker (collective_rpc): th
                 time.sleep(60)
             return real(x)
         runner.model.layers[0].mlp.forward = slow
-
-
-def children() -> list[int]:
-    me, kids = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            cmdline = open(f"/proc/{pid}/cmdline").read()
-        except OSError:
-            continue
-        if int(stat[1]) == me and stat[0] != "Z" and "resource_tracker" not in cmdline:
-            kids.append(int(pid))
-    return kids
 
 
 def patch() -> None:
@@ -150,9 +139,9 @@ def main() -> None:
             say("STOPPED", str(e).splitlines()[0])
         llm.close()
     deadline = time.monotonic() + 10
-    while children() and time.monotonic() < deadline:
+    while child_pids() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not children(), f"workers left after Ctrl-C at {POINT}: {children()}"
+    assert not child_pids(), f"workers left after Ctrl-C at {POINT}: {child_pids()}"
     with LLM("tiny-qwen3", tensor_parallel_size=2, **OPTIONS) as again:
         got = [o.outputs[0].token_ids for o in again.generate(PROMPTS, greedy, use_tqdm=False)]
     if not at_start:
