@@ -4,7 +4,7 @@
 # Generated from solutions/ch05_continuous_batching.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
 """Chapter 05, book/05_continuous_batching.ipynb: continuous batching, the scheduler and the sampler.
 
-Exercise 5.1: make room in the KV pool by preempting the newest running sequences.
+Exercise 5.1: make room in the KV pool by preempting running sequences (your choice of victim).
 Exercise 5.2: one scheduling step under a token budget.
 Exercise 5.3: flatten a scheduled batch into the model's inputs.
 Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
@@ -16,6 +16,12 @@ Exercise 5.6: your own engine: the step loop over your pieces (schedule, inputs,
 `block_manager`, with `can_allocate`, `allocate`, `free`, `blocks_needed`, `match_prefix` and
 `cache_full_blocks`; `max_num_batched_tokens` and `max_num_seqs`). They return the engine's
 `SchedulerOutput` of `ScheduledSeq(seq, num_new_tokens, is_prefill)`.
+
+What each exercise needs from the others: 5.2 calls your 5.1; 5.5 calls your 5.4; 5.6 runs your 5.2, 5.3
+and 5.5. While one of those is still the untouched stub, the checks of the later one use the engine's own
+piece in its place (and say so), so you can write them in any order. The docstrings are contracts: what
+goes in, what comes out, what must hold; the book's hints say how, and `show_solution("5.2")` (from
+nanoengine.check) prints a reference answer when you want one.
 """
 
 from __future__ import annotations
@@ -29,54 +35,59 @@ from nanoengine.engine.sequence import Sequence, SequenceStatus
 
 
 def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
-    """Exercise 5.1: preempt the newest running sequences until `seq`'s next tokens fit the KV pool.
+    """Exercise 5.1: make room in the KV pool for `seq`'s next tokens by preempting running sequences.
 
-    While `sched.block_manager.can_allocate(seq, num_new_tokens)` is False, preempt the NEWEST running
-    sequence, the last of `sched.running` (`seq` itself, when it is the newest):
-    - take it out of `sched.running` and free its blocks (`block_manager.free(victim)` returns the block ids
-      that became free: add them to `out.blocks_freed`);
-    - its K/V are gone, so it starts over: `num_computed_tokens = 0`, status `SequenceStatus.WAITING`,
-      `num_preemptions += 1`; it goes to the FRONT of `sched.waiting` (`appendleft`);
-    - append it to `out.preempted`.
-    Stop as soon as `seq` fits, or right after preempting `seq` itself. Return True if `seq` is still
-    running (its tokens now fit), False if it was preempted.
+    In: `sched` (its `running` list, oldest first, holds `seq`; its `waiting` deque; its `block_manager`),
+    `seq`, the `num_new_tokens` it needs room for, and this step's `out` (a SchedulerOutput).
+    Out: True when `seq` still runs and `sched.block_manager.can_allocate(seq, num_new_tokens)` holds; False
+    when `seq` itself had to be preempted.
+    What must hold afterwards (the checks test each rule, on states a tight pool reaches):
+    - victims come from `seq` and the sequences after it in `sched.running`: the ones before it were already
+      scheduled in this step;
+    - nothing is preempted beyond need: stop once `seq` fits, or once `seq` itself was preempted;
+    - a victim is out of `sched.running`, holds no block (its K/V are gone), has 0 computed tokens, is
+      `SequenceStatus.WAITING` with `num_preemptions` one higher, and waits at the FRONT of `sched.waiting`
+      (the book's first-come-first-served convention: it arrived before everything that waits);
+    - every victim is in `out.preempted`, and every block that became free in `out.blocks_freed` (any order);
+    - no other sequence changes.
+    Which victim to take is your policy; the engine, like vLLM v1, takes the newest (the end of the list).
     """
-    raise NotImplementedError("Exercise 5.1: preempt the newest running sequences until `seq`'s next tokens fit the KV pool - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.1: make room in the KV pool for `seq`'s next tokens by preempting running sequences - see book/05_continuous_batching.ipynb")
 
 
 def schedule(sched: Scheduler) -> SchedulerOutput:
-    """Exercise 5.2: one scheduling step; the same decisions as `Scheduler.pick`.
+    """Exercise 5.2: one scheduling step: who computes how many tokens this step, under a token budget.
 
-    `Scheduler.pick()` is the half of `Scheduler.schedule()` that chooses the batch; `schedule()` then commits
-    it (the tokens count as computed). Yours chooses and does not commit: after it, each sequence's
-    num_computed_tokens is still where its step starts. The rules a step obeys (the tests compare its output
-    and the state it leaves with `pick`'s):
-
-    - Budget: the step computes at most `sched.max_num_batched_tokens` tokens in all. A scheduled sequence
-      computes as many of its not-yet-computed tokens as the budget still allows (a decode: 1; a prompt: the
-      rest of it, cut to the budget: chunked prefill). A sequence with nothing to compute is not scheduled;
-      nothing is tried once the budget is spent.
-    - Order: running sequences before waiting ones; running oldest first (the order of `sched.running`),
-      waiting in queue order.
-    - Room: a sequence's tokens are scheduled only with their blocks allocated. A running sequence that needs
-      new blocks (`block_manager.blocks_needed`) makes room with your `preempt_until_fits` first; if that
-      preempted the sequence itself, no later running sequence is scheduled in this step.
-    - Admission happens only in a step that preempted nothing, and only while fewer than
-      `sched.max_num_seqs` sequences run. An admitted sequence starts from its prefix-cache hits
-      (`block_manager.match_prefix`, kept in `num_cached_tokens`) but always computes its last prompt token,
-      whose logits give its first new token; it joins the end of `sched.running`, RUNNING.
-    - First come, first served: the first waiting sequence whose blocks do not fit ends admission for the
-      step; its hits are given back (`block_manager.free`) and its token counts reset to 0. An n>1 sibling
-      whose first completion (`seq.wait_for`, unfinished) has not computed its whole prompt is passed over,
-      without ending admission.
-    - Sharing within the step: the blocks a sequence fills are registered in the prefix cache as soon as it
-      is scheduled (`block_manager.cache_full_blocks(seq, its computed tokens after this step)`), so a later
-      admission in the same step hits them.
-    - Output: `ScheduledSeq(seq, n, is_prefill)` in the order scheduled, `is_prefill` as it was before the
-      step; `preempted` and `blocks_freed` from your 5.1; every allocated block id in `blocks_allocated`;
-      `(seq_id, hit tokens)` per admitted sequence in `cache_hits`; the tokens used in `num_batched_tokens`.
+    In: `sched`, a Scheduler: `running` (oldest first), `waiting` (queue order), `block_manager`,
+    `max_num_batched_tokens` (the step's token budget), `max_num_seqs`.
+    Out: a SchedulerOutput: `scheduled`, one `ScheduledSeq(seq, n, is_prefill)` per sequence computing n
+    tokens (`is_prefill`: `seq.is_prefill` before the step; a ScheduledSeq records `seq.num_computed_tokens`
+    as where the step starts, so build it once that is set); `num_batched_tokens`, the sum of the n;
+    `preempted` and `blocks_freed` (your 5.1); the block ids newly given to tables in `blocks_allocated`
+    (not the prefix hits); `(seq_id, hit tokens)` per admitted sequence in `cache_hits`.
+    Choose only: the engine commits the step afterwards (the tokens count as computed then), so
+    num_computed_tokens stays where each step starts.
+    What must hold (the checks test each rule, with a fake model whose tokens are right only if every K/V a
+    step reads is where it belongs):
+    - budget: the n add up to at most `max_num_batched_tokens`; each n is at least 1 and at most what the
+      sequence has not computed (a prompt longer than the budget left is cut: chunked prefill);
+    - running sequences first: none with tokens to compute is passed over while budget is left (unless the
+      step had to preempt);
+    - room: a scheduled sequence holds the blocks for its tokens (`block_manager.allocate`); when the pool
+      is short, your 5.1 makes room;
+    - admission: a waiting sequence that is admitted joins the end of `sched.running`, RUNNING, scheduled in
+      the same step; at most `max_num_seqs` run; it starts from its prefix-cache hits
+      (`block_manager.match_prefix`, kept in `num_cached_tokens`) but always computes its last prompt token
+      (its logits give the first new token); one that is not admitted holds no block and 0 computed tokens;
+    - conventions the book requires (vLLM v1's): first come, first served: once a waiting sequence does not
+      fit, no later one is admitted in this step; and a step that preempted admits no one;
+    - sharing: the blocks a sequence fills are registered in the prefix cache as soon as it is scheduled
+      (`block_manager.cache_full_blocks(seq, start + n)`), so an identical prompt admitted later in the
+      same step hits them.
+    The order you build the output in, which victim your 5.1 takes, and whether an n > 1 sibling waits for
+    its first completion's prompt (`seq.wait_for`) are yours.
     """
-    raise NotImplementedError("Exercise 5.2: one scheduling step; the same decisions as `Scheduler.pick` - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.2: one scheduling step: who computes how many tokens this step, under a token budget - see book/05_continuous_batching.ipynb")
 
 
 @dataclass
@@ -120,16 +131,17 @@ def process_logits(logits: torch.Tensor, temperatures: list[float], top_ks: list
                    min_ps: list[float]) -> torch.Tensor:
     """Exercise 5.4: the filter chain of one batch, in vLLM's order; return new logits [B, V].
 
-    `logits` [B, V] float32, one row per request; the lists give each row's parameters.
-    1. Temperature: divide row b by temperatures[b] (a greedy row, temperature 0, is divided by 1).
-    2. min-p (skip when min_ps[b] is 0): mask every token whose probability (softmax of the scaled row) is
-       below min_ps[b] times the row's largest probability.
-    3. top-k (skip when top_ks[b] is -1): keep the top_ks[b] largest logits of what is left.
-    4. top-p (skip when top_ps[b] is 1.0): over what top-k kept, renormalized (softmax of the kept logits),
-       keep the smallest set of most likely tokens whose probability mass reaches top_ps[b]: sorted from the
-       most likely, a token stays when the mass of the tokens BEFORE it is below top_ps[b] (so the most
-       likely token always stays).
-    "Mask" means: set the logit to -inf. Do not change the input tensor.
+    In: `logits` [B, V] float32, one row per request; per row its temperature, top-k (-1: off), top-p
+    (1.0: off) and min-p (0.0: off). Out: new logits [B, V], the input unchanged; a masked token is -inf.
+    What must hold, row by row, in this order (vLLM v1's; the checks compare the kept tokens and their
+    values with the engine's `apply_top_k_top_p_min_p`, and name the classic wrong orders):
+    - the row is divided by its temperature (a greedy row, temperature 0, by 1);
+    - min-p masks every token whose probability (softmax of the scaled row) is below min_p times the row's
+      largest probability;
+    - top-k keeps the top_k largest logits of what is left;
+    - top-p, over what top-k kept renormalized (the softmax of the kept logits), keeps the smallest set of
+      most likely tokens whose mass reaches top_p: a token stays when the mass of the tokens more likely
+      than it is below top_p (so the most likely token always stays).
     """
     raise NotImplementedError("Exercise 5.4: the filter chain of one batch, in vLLM's order; return new logits [B, V] - see book/05_continuous_batching.ipynb")
 
@@ -182,28 +194,35 @@ class MyEngine:
     def step(self) -> list[Sequence]:
         """Exercise 5.6: one step of your engine; return the sequences it finished.
 
-        1. Schedule with your `schedule(self.sched)` (5.2). It picks the batch and allocates its blocks but
-           does not count the tokens as computed: after it, each scheduled sequence's num_computed_tokens
-           grows by its num_new_tokens (the forward below computes their K/V).
-        2. Lay the batch out with your `build_inputs` (5.3) and run the model: `self.parts.logits(flat,
-           out.scheduled)`. A step whose batch samples no row (only mid-prompt chunks) ends here.
-        3. Draw one token per sampled row with your `sample` (5.5), each row with its sequence's
-           SamplingParams (temperature, top_k, top_p, min_p) and generator (`self.generators`, None for a
-           request without a seed), and `self.shared_generator`.
-        4. Update: append each token to its sequence's token_ids, then ask the stop rules
-           (`self.sched.stop_reason(seq, token)` -> (finish_reason or None, stop token or None)). A sequence
-           that stops is FINISHED with that finish_reason and stop_reason: it leaves `self.sched.running`, its
-           blocks go back (`self.sched.block_manager.free(seq)`), and it forgets its generator.
-        The checks judge behaviour, not your code: greedy tokens equal transformers', the block manager's
-        books balance after every step, a tight pool preempts and gives the same tokens, fewer steps than
-        static batching.
+        In: the state `add_request` and the steps before left (`self.sched`'s queues and block manager, each
+        Sequence's token_ids). Out: the sequences this step finished.
+        What must hold (the checks run your engine on prompts you did not choose, each run bounded in steps):
+        - greedy tokens equal transformers'; a seeded request's sampled tokens depend neither on its batch nor
+          on how its prompt was chunked (it draws from its own generator, `self.generators`; the others from
+          `self.shared_generator`);
+        - a scheduled sequence's `num_computed_tokens` grows by its `num_new_tokens`, once per step: your
+          `schedule` only chooses; the model runs (`self.parts.logits`) on every step, also one that samples
+          nothing (its forward writes that chunk's K/V);
+        - each sampled token is appended to its own sequence's token_ids; the stop rules,
+          `self.sched.stop_reason(seq, token)` -> (finish_reason or None, stop token or None), decide whether
+          it finishes: FINISHED, with finish_reason and stop_reason, out of `self.sched.running`, its blocks
+          back (`self.sched.block_manager.free`), its generator forgotten;
+        - the block manager's books balance after every step; a tight pool preempts and gives the same
+          tokens; chapter 05's workload takes fewer steps than static batching.
+        Uses your 5.2, 5.3 and 5.5 (while one is still a stub the checks use the engine's own in its place).
         """
         raise NotImplementedError("Exercise 5.6: one step of your engine; return the sequences it finished - see book/05_continuous_batching.ipynb")
 
-    def generate(self, prompts: list[list[int]], params) -> list[list[int]]:
-        """Run every prompt to the end (one SamplingParams for all, or one each): the generated token ids."""
+    def generate(self, prompts: list[list[int]], params, max_steps: int = 1000) -> list[list[int]]:
+        """Run every prompt to the end (one SamplingParams for all, or one each): the generated token ids.
+        At most `max_steps` steps (RuntimeError after them: a loop that does not advance)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while not all(seq.is_finished for seq in seqs):
+        for _ in range(max_steps):
+            if all(seq.is_finished for seq in seqs):
+                break
             self.step()
+        else:
+            raise RuntimeError(f"{max_steps} steps and not every request finished: does your step count the "
+                               "scheduled tokens as computed, and stop a sequence at its max_tokens?")
         return [seq.token_ids[seq.num_prompt_tokens:] for seq in seqs]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoengine.pieces import IMPL_VARIABLE, default_impl
+from nanoengine.solution import show_solution  # noqa: F401  (the book's `from nanoengine.check import ...`)
 
 ROOT = Path(__file__).resolve().parents[1]
 _TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")

@@ -1,21 +1,223 @@
-"""Exercise 5.6's checks (nanoengine/pieces/own_engine.py) name the mistakes a hand-written step loop makes:
-each is planted in a copy of the reference solution, and the check must fail with a message that says
-what broke. The reference itself passes them (tests/exercises/test_ch05_continuous_batching.py)."""
+"""Chapter 05's behavioural checks can fail, name the exercise, and let a different correct design pass.
+
+Each planted mistake is a copy of the reference solution with one change; the check it belongs to must fail
+within seconds with a message that names the exercise and says what broke (5.1 and 5.2:
+nanoengine/pieces/schedule_checks.py, no model; 5.6: nanoengine/pieces/own_engine.py, tiny-qwen3). Other
+copies make different but valid choices (another preemption victim, another freeing order, siblings that
+wait, the engine's own policy) and must pass the same checks."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from nanoengine.pieces import own_engine
+from nanoengine.engine.scheduler import Scheduler
+from nanoengine.pieces import own_engine, schedule_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "ch05_continuous_batching.py"
 pytestmark = pytest.mark.xdist_group("ex_ch05")
 
+ADMIT_SCAN = '''        for seq in list(sched.waiting):
+            if budget <= 0 or len(sched.running) >= sched.max_num_seqs:
+                break
+            hits = bm.match_prefix(seq)
+            seq.num_cached_tokens = hits
+            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                continue
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            sched.waiting.remove(seq)
+'''
+ADMIT_LOOP = '''        while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            seq = sched.waiting[0]
+            hits = bm.match_prefix(seq)
+            seq.num_cached_tokens = hits
+            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            sched.waiting.popleft()
+'''
+REGISTER = "        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)\n"
+# mistake -> (exercise, [(a line or block of the solution, what it becomes)], words the message must say)
+PLANTED_SCHEDULING = {
+    "victim taken from the oldest (already scheduled)": (
+        "5.1", [("        victim = sched.running.pop()\n", "        victim = sched.running.pop(0)\n")],
+        "already scheduled in this step"),
+    "victim keeps its computed tokens": (
+        "5.1", [("        victim.num_computed_tokens = 0\n", "")], "num_computed_tokens is"),
+    "victim sent to the back of the queue": (
+        "5.1", [("        sched.waiting.appendleft(victim)\n", "        sched.waiting.append(victim)\n")],
+        "FRONT of the queue"),
+    "blocks registered at the end of the step": (
+        "5.2", [("    " + REGISTER, ""), (REGISTER, ""),
+                ("    out.num_batched_tokens = sched.max_num_batched_tokens - budget\n",
+                 "    for s in out.scheduled:\n        bm.cache_full_blocks(s.seq, s.start + "
+                 "s.num_new_tokens)\n"
+                 "    out.num_batched_tokens = sched.max_num_batched_tokens - budget\n")],
+        "as soon as it is scheduled"),
+    "blocks registered before the step computes them": (
+        "5.2", [("    " + REGISTER, "            bm.cache_full_blocks(seq, seq.num_tokens)\n"),
+                (REGISTER, "        bm.cache_full_blocks(seq, seq.num_tokens)\n")],
+        "never before"),
+    "admission past max_num_seqs": (
+        "5.2", [("        while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:\n",
+                 "        while sched.waiting and budget > 0:\n")], "max_num_seqs is"),
+    "a later waiting sequence overtakes one that does not fit": (
+        "5.2", [(ADMIT_LOOP, ADMIT_SCAN)], "first come, first served"),
+    "a full prefix hit counted as computed": (
+        "5.2", [("            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)\n",
+                 "            seq.num_computed_tokens = hits\n")], "last prompt token"),
+    "no chunked prefill": (
+        "5.2", [("            n = min(seq.num_tokens - seq.num_computed_tokens, budget)\n"
+                 "            if not bm.can_allocate(seq, n):\n",
+                 "            n = seq.num_tokens - seq.num_computed_tokens\n"
+                 "            if n > budget or not bm.can_allocate(seq, n):\n")], "is chunked"),
+    "prefix hits of a sequence not admitted kept": (
+        "5.2", [("                bm.free(seq)\n"
+                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n",
+                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n")],
+        "gives its prefix hits back"),
+    "a loop that never ends": (
+        "5.2", [("                seq.num_computed_tokens = seq.num_cached_tokens = 0\n"
+                 "                break\n",
+                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n"
+                 "                continue\n")],
+        "a loop that never ends"),
+}
+
+# different valid choices: each must pass 5.1's and 5.2's checks
+LARGEST_VICTIM = '''    bm = sched.block_manager
+    start = sched.running.index(seq)
+    while not bm.can_allocate(seq, num_new_tokens):
+        # another policy: the not-yet-scheduled sequence holding the most blocks (ties: the oldest)
+        victim = max(sched.running[start:], key=lambda s: len(s.block_table))
+        sched.running.remove(victim)
+        freed = bm.release(list(reversed(victim.block_table)))  # another freeing order: head first
+        victim.block_table.clear()
+        out.blocks_freed += sorted(freed)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        sched.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        if victim is seq:
+            return False
+    return True
+'''
+NEWEST_FIRST = '''    bm = sched.block_manager
+    while not bm.can_allocate(seq, num_new_tokens):
+        victim = sched.running.pop()
+        out.blocks_freed += bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        sched.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        if victim is seq:
+            return False
+    return True
+'''
+SIBLINGS_WAIT = '''        j = 0
+        while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            seq = sched.waiting[j]
+            first = seq.wait_for
+            if (first is not None and not first.is_finished
+                    and first.num_computed_tokens < first.num_prompt_tokens):
+                j += 1
+                continue
+            hits = bm.match_prefix(seq)
+            seq.num_cached_tokens = hits
+            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += bm.allocate(seq, n)
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            del sched.waiting[j]
+'''
+VALID = {
+    "the largest victim, its blocks freed head first": [(NEWEST_FIRST, LARGEST_VICTIM)],
+    "siblings wait for the first completion's prompt, and the largest victim": [
+        (NEWEST_FIRST, LARGEST_VICTIM), (ADMIT_LOOP, SIBLINGS_WAIT)],
+}
+
+
+def with_changes(tmp_path: Path, changes: list[tuple[str, str]]):
+    """A copy of the reference solution with each (old, new) applied (every old must be there)."""
+    source = SOLUTION.read_text()
+    for old, new in changes:
+        assert old in source, f"the planted text {old!r} is no longer in {SOLUTION}: update this test"
+        source = source.replace(old, new)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / SOLUTION.name
+    path.write_text(source)
+    name = f"_planted_{abs(hash(str(tmp_path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def scheduling_check(exercise: str, module) -> str:
+    return (schedule_checks.check_preempt(module.preempt_until_fits) if exercise == "5.1"
+            else schedule_checks.check_schedule(module))
+
+
+@pytest.mark.parametrize("mistake", list(PLANTED_SCHEDULING))
+def test_a_planted_scheduling_mistake_is_named(mistake, tmp_path):
+    exercise, changes, named = PLANTED_SCHEDULING[mistake]
+    module = with_changes(tmp_path, changes)
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as failed:
+        scheduling_check(exercise, module)
+    message = str(failed.value)
+    assert named in message and f"Exercise {exercise}" in message, f"{mistake}: the check said {message}"
+    assert time.perf_counter() - t0 < 15, f"{mistake}: took {time.perf_counter() - t0:.1f} s to be named"
+
+
+@pytest.mark.parametrize("choice", list(VALID))
+def test_a_different_valid_policy_passes_5_1_and_5_2(choice, tmp_path):
+    module = with_changes(tmp_path, VALID[choice])
+    schedule_checks.check_preempt(module.preempt_until_fits)
+    schedule_checks.check_schedule(module)
+
+
+def test_the_engines_own_policy_passes_5_1_and_5_2():
+    """The checks are not the reference solution in disguise: the engine's Scheduler.pick passes them."""
+    schedule_checks.check_preempt(schedule_checks.engine_preempt)
+    engine = type("EngineAsModule", (), {"schedule": staticmethod(Scheduler.pick),
+                                          "preempt_until_fits": staticmethod(schedule_checks.engine_preempt)})
+    schedule_checks.check_schedule(engine)
+
+
+def test_a_stub_5_1_is_stood_in_for_by_the_engines(tmp_path):
+    stub = '    raise NotImplementedError("Exercise 5.1: stub")\n'
+    module = with_changes(tmp_path, [(NEWEST_FIRST, stub)])
+    assert "the engine's 5.1 stood in" in schedule_checks.check_schedule(module)
+
+
+# ----------------------------------------------------------------------------------------------- 5.6
 PLANTED = {  # mistake -> (the line of the solution it changes, what it becomes, words the message must say)
     "a finished sequence is never freed": ("                self.sched.block_manager.free(seq)\n", "",
                                            "still holds blocks"),
@@ -26,6 +228,22 @@ PLANTED = {  # mistake -> (the line of the solution it changes, what it becomes,
     "the step's tokens are never counted as computed": (
         "            s.seq.num_computed_tokens += s.num_new_tokens\n", "            pass\n",
         "count the scheduled"),
+    "the forward is skipped on a step that samples nothing": (
+        "        logits = self.parts.logits(flat, out.scheduled)  # [num_sampled, vocab], run every step\n"
+        "        if not flat.sample_rows:\n            return []\n",
+        "        if not flat.sample_rows:\n            return []\n"
+        "        logits = self.parts.logits(flat, out.scheduled)  # [num_sampled, vocab], run every step\n",
+        "prefilled in chunks"),
+    "a seeded request drawn from the shared generator": (
+        "                        [self.generators.get(seq.seq_id) for seq in seqs], self.shared_generator)\n",
+        "                        [None for seq in seqs], self.shared_generator)\n",
+        "own sequence's generator"),
+    "the stop rules asked before the token is appended": (
+        "            seq.token_ids.append(int(token))\n"
+        "            reason, stop_token = self.sched.stop_reason(seq, int(token))\n",
+        "            reason, stop_token = self.sched.stop_reason(seq, int(token))\n"
+        "            seq.token_ids.append(int(token))\n",
+        "differ from transformers'"),
 }
 
 
@@ -34,23 +252,70 @@ def parts():
     return own_engine.model_parts()
 
 
-def with_mistake(tmp_path: Path, old: str, new: str):
-    source = SOLUTION.read_text()
-    assert source.count(old) == 1, f"the planted line {old!r} is no longer in {SOLUTION}: update PLANTED"
-    path = tmp_path / SOLUTION.name
-    path.write_text(source.replace(old, new))
-    name = f"_planted_{abs(hash(str(tmp_path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("mistake", list(PLANTED))
 def test_a_planted_loop_mistake_is_named(mistake, parts, tmp_path):
     old, new, named = PLANTED[mistake]
-    module = with_mistake(tmp_path, old, new)
+    module = with_changes(tmp_path, [(old, new)])
+    t0 = time.perf_counter()
     with pytest.raises(AssertionError) as failed:
         own_engine.check_engine(module.MyEngine, parts, seed=2026)
-    assert named in str(failed.value), f"{mistake}: the check said {failed.value}"
+    assert named in str(failed.value) and "Exercise 5." in str(failed.value), (
+        f"{mistake}: the check said {failed.value}")
+    assert time.perf_counter() - t0 < 60, f"{mistake}: took {time.perf_counter() - t0:.1f} s to be named"
+
+
+@pytest.mark.slow
+def test_a_different_valid_policy_passes_the_ch05_capstone(tmp_path):
+    """The engine on a 5.1 that preempts the largest sequence and frees head first, and a 5.2 whose siblings
+    wait: the capstone judges tokens and outcomes, not the engine's schedule step by step."""
+    from nanoengine.pieces.capstone import capstone
+
+    with_changes(tmp_path, VALID["siblings wait for the first completion's prompt, and the largest victim"])
+    result = capstone("ch05", tmp_path, models=("tiny-qwen3",))
+    assert result.passed, result.rows
+
+
+def test_show_solution_prints_one_labelled_reference_answer(capsys):
+    from nanoengine.check import show_solution
+
+    show_solution("5.2")
+    shown = capsys.readouterr().out
+    assert "REFERENCE SOLUTION of Exercise 5.2" in shown and "def schedule(" in shown
+    assert "def preempt_until_fits(" not in shown and "# BEGIN SOLUTION" in shown
+    with pytest.raises(LookupError):
+        show_solution("5.9")
+
+
+# ----------------------------------------------------------------------------------------------- chapter 11
+def test_an_empty_engine_class_is_told_where_to_start(parts):
+    from nanoengine.pieces.your_engine import check_protocol
+
+    class MyEngine:
+        pass
+
+    with pytest.raises(AssertionError, match=r"still empty.*Start with __init__.*Exercise 11.1"):
+        check_protocol(MyEngine, parts)
+
+    class Half:
+        def __init__(self, parts):
+            pass
+
+        def make_request(self, *a):
+            pass
+
+        def add(self, *a):
+            pass
+
+    with pytest.raises(AssertionError, match=r"has no step, abort.*write step next.*Exercise 11.2"):
+        check_protocol(Half, parts)
+
+
+def test_the_reference_engine_passes_chapter_11s_checks(parts):
+    from nanoengine.pieces.your_engine import check_your_engine
+
+    sys.path.insert(0, str(ROOT / "solutions"))
+    try:
+        module = importlib.import_module("ch11_your_engine")
+    finally:
+        sys.path.remove(str(ROOT / "solutions"))
+    assert len(check_your_engine(module.MyEngine, parts, seed=11)) == 4

@@ -7,22 +7,32 @@ without: the engine's model over its weights and KV cache (`logits`), a fresh `S
 owns that cache's blocks (the learner's prefix cache of chapter 04 when built with `use_exercises=["ch04"]`),
 and the stop rules (`Scheduler.stop_reason`).
 
-`check_engine(engine_class)` judges the engine on behaviour only, never on its internal state:
-- greedy tokens equal transformers' on prompts the learner did not choose (chunked prefills, prefix hits,
-  a request joining a running batch);
+`check_engine(engine_class)` judges the engine on behaviour only, never on its internal state, each check
+bounded in steps and in time (`run_check`: 60 s), with the engine's own 5.2, 5.3 or 5.5 standing in for one
+that is still a stub (`stand_ins`), so the loop can be written first:
+- greedy tokens equal transformers' on prompts the learner did not choose (two identical prompts admitted in
+  one step, a prompt chunked so that a step computes only its middle, prefix hits, a request joining a
+  running batch);
 - after every step the block manager's books balance (`BlockManager.check_invariants`), a finished
   sequence holds no block and no place in the queues, a waiting one holds no block and no computed token;
   at the end every block is free;
 - with a KV pool too small for the batch it preempts, and still gives the same tokens;
+- a seeded request's sampled tokens (which, unlike tiny-qwen3's greedy ones, do not repeat) are the same
+  prefilled in one step, in chunks (steps that sample nothing still run the forward) and in a batch;
 - it needs fewer steps than static batching on chapter 05's workload (the cell measures the time).
-Each failure is an `AssertionError` whose message says what broke and where to look.
+Each failure is an `AssertionError` whose message says what broke and where to look. `your_pieces()` hands
+chapter 11's engine the learner's chapter 05 pieces the same way.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -54,11 +64,17 @@ class ModelParts:
     def tokenizer(self) -> Any:
         return self.llm.tokenizer
 
+    @property
+    def plan(self) -> Any:
+        """The engine's facts (EnginePlan: max_model_len, block_size, device, dtype, hf_config, ...)."""
+        return self.llm.engine.plan
+
     def scheduler(self, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                   num_blocks: int | None = None) -> Scheduler:
         """A fresh Scheduler (empty queues) whose block manager hands out `num_blocks` of the cache's
         blocks (default: all of them)."""
         blocks = min(num_blocks or self.num_blocks, self.num_blocks)
+        self.llm.engine.executor.runner.kv_cache.zero_()  # a fresh engine, a fresh cache: no K/V left over
         return Scheduler(self.block_manager_class(blocks, self.block_size), self.llm.engine.eos_token_ids,
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          max_model_len=self.llm.engine.plan.max_model_len)
@@ -66,8 +82,9 @@ class ModelParts:
     @torch.inference_mode()
     def logits(self, flat: Any, scheduled: list) -> torch.Tensor:
         """One forward of the model over a step laid out by your Exercise 5.3 (`flat`, a FlatBatch) for the
-        batch `scheduled`: the logits of its sampled rows, [len(flat.sample_rows), vocab] float32, in
-        flat.sample_rows' order."""
+        batch `scheduled`: it writes the K/V of every row into the cache, and returns the logits of its
+        sampled rows, [len(flat.sample_rows), vocab] float32, in flat.sample_rows' order (no rows: [0, vocab];
+        the forward still has to run, or the cache misses that chunk's K/V)."""
         prefills = [s for s in scheduled if s.num_new_tokens != 1]  # 5.3's order of the prefill chunks
         n_dec = len(flat.decode_context_lens)
         meta = AttentionMetadata(
@@ -79,7 +96,11 @@ class ModelParts:
             prefill_context_lens=list(flat.prefill_context_lens),
             prefill_block_tables=[int64(s.seq.block_table) for s in prefills], block_size=self.block_size)
         inp = ModelInput(int64(flat.input_ids), int64(flat.positions), meta, int64(flat.sample_rows))
-        return self.llm.engine.executor.execute(inp)  # [num_sampled, vocab]
+        logits = self.llm.engine.executor.execute(inp)  # [num_sampled, vocab]; None when it samples nothing
+        if logits is None:
+            vocab = self.llm.engine.plan.hf_config.vocab_size
+            return torch.empty(0, vocab, dtype=torch.float32)
+        return logits
 
 
 def model_parts(model: str = MODEL, num_blocks: int = 64, use_exercises: Any = (),
@@ -96,13 +117,16 @@ def model_parts(model: str = MODEL, num_blocks: int = 64, use_exercises: Any = (
 
 # ---------------------------------------------------------------------------------------------- the checks
 def unseen_prompts(vocab: int, seed: int | None = None) -> list[list[int]]:
-    """Prompts the learner did not choose: random token ids (a fresh seed each check unless given), one pair
-    sharing a 40-token prefix (a prefix hit), lengths from a few tokens to several blocks."""
+    """Prompts the learner did not choose: random token ids (a fresh seed each check unless given): two
+    identical prompts of just over a block (admitted in the same step, the second hits the first's block),
+    one long enough to be prefilled in chunks (a step computes only the middle of it), and a pair sharing a
+    40-token prefix (a prefix hit)."""
     rng = random.Random(seed)
     shared = [rng.randrange(100, vocab) for _ in range(40)]
-    lengths = [rng.randint(3, 12), rng.randint(50, 90), rng.randint(17, 33), rng.randint(5, 20)]
-    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
-    prompts[3] = shared + prompts[3]
+    twin = [rng.randrange(100, vocab) for _ in range(rng.randint(17, 20))]
+    lengths = [rng.randint(50, 90), rng.randint(17, 33), rng.randint(5, 20)]
+    prompts = [twin, list(twin)] + [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
+    prompts[4] = shared + prompts[4]
     prompts.append(shared + [rng.randrange(100, vocab) for _ in range(rng.randint(2, 9))])
     return prompts
 
@@ -183,9 +207,9 @@ def check_books(engine: Any, step: int, everyone: list[Sequence]) -> None:
 
 
 def run(engine: Any, prompts: list[list[int]], params: list[SamplingParams],
-        max_steps: int = 2000) -> tuple[list[list[int]], int, int]:
+        max_steps: int = 300) -> tuple[list[list[int]], int, int]:
     """Drive the engine step by step, checking the books after each: (each prompt's generated tokens, steps,
-    preemptions)."""
+    preemptions). Bounded: `max_steps` steps (every check's workload needs far fewer)."""
     seqs = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
     steps = 0
     while not all(s.is_finished for s in seqs):
@@ -211,7 +235,7 @@ def static_steps(prompt_lens: list[int], output_lens: list[int], batch: int) -> 
 
 # the requests of a check: greedy, each its own length; the budget chunks the long prompts and the batch limit
 # makes a request join a batch already running
-MAX_TOKENS = [9, 14, 6, 11, 8]
+MAX_TOKENS = [9, 7, 14, 6, 11, 8]
 BUDGET, MAX_SEQS = 32, 3
 TIGHT_BLOCKS = 7  # too few for three sequences at once: the engine must preempt
 
@@ -285,7 +309,163 @@ def check_beats_static(engine_class: type, parts: ModelParts, batch: int = 4) ->
     return f"chapter 05's workload in {steps} steps, static batching {static}"
 
 
+def seeded_params(max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=max_tokens, ignore_eos=True)
+
+
+def check_seeded(engine_class: type, parts: ModelParts, seed: int | None = None) -> str:
+    """Sampled tokens, which unlike tiny-qwen3's greedy ones do not repeat: a seeded request gives the same
+    tokens prefilled in one step, prefilled in chunks of 8 (steps that sample nothing) and in a batch."""
+    rng = random.Random(seed)
+    vocab = parts.llm.engine.plan.hf_config.vocab_size
+    prompt = [rng.randrange(100, vocab) for _ in range(40)]
+    one_step, _, _ = run(engine_class(parts, max_num_batched_tokens=256), [prompt], [seeded_params()])
+    chunked, steps, _ = run(engine_class(parts, max_num_batched_tokens=8), [prompt], [seeded_params()])
+    differs = first_difference(chunked, one_step, "prefilled in one step")
+    assert differs is None, (
+        f"a seeded request (temperature 1, seed 11) prefilled in chunks of 8 vs in one step: {differs}. A "
+        f"step "
+        "that only prefills the middle of a prompt samples nothing, but its forward must still run "
+        "(self.parts.logits): it writes that chunk's K/V, which every later token attends to (Exercise 5.6)")
+    others = [[rng.randrange(100, vocab) for _ in range(20)], [rng.randrange(100, vocab) for _ in range(70)]]
+    batch, _, _ = run(engine_class(parts, max_num_batched_tokens=16, seed=3), [others[0], prompt, others[1]],
+                      [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True), seeded_params(),
+                       SamplingParams(temperature=0.7, top_k=20, max_tokens=4, ignore_eos=True)])
+    differs = first_difference([batch[1]], one_step, "alone")
+    assert differs is None, (
+        f"a seeded request in a batch of 3 vs alone: {differs}: each sampled row draws with its own "
+        "sequence's generator (self.generators), the others with self.shared_generator (Exercise 5.6)")
+    return f"a seeded request's {len(one_step[0])} sampled tokens equal in one step, in chunks and in a batch"
+
+
+# ---------------------------------------------------------------------------------------- stand-ins
+def _layout(module: Any, scheduled: list, block_size: int) -> Any:
+    """The engine's layout of a step (chapter 05's FlatBatch), standing in for a stub 5.3."""
+    flat = module.FlatBatch()
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    chunks = [s for s in scheduled if s.num_new_tokens != 1]
+    for group in (decodes, chunks):
+        for s in group:
+            seq = s.seq
+            if group is chunks:
+                flat.prefill_query_starts.append(len(flat.input_ids))
+                flat.prefill_query_lens.append(s.num_new_tokens)
+                flat.prefill_context_lens.append(s.start + s.num_new_tokens)
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                flat.input_ids.append(seq.token_ids[pos])
+                flat.positions.append(pos)
+                flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens else
+                                         seq.block_table[pos // block_size] * block_size + pos % block_size)
+            if s.start + s.num_new_tokens == len(seq.token_ids):
+                flat.sample_rows.append(len(flat.input_ids) - 1)
+                flat.sample_seq_ids.append(seq.seq_id)
+    width = max((len(s.seq.block_table) for s in decodes), default=0)
+    flat.decode_block_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
+    flat.decode_context_lens = [s.start + 1 for s in decodes]
+    return flat
+
+
+def _draw(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+          min_ps: list[float], generators: list, shared_generator: torch.Generator) -> list[int]:
+    """The engine's filters and an exact draw, standing in for a stub 5.5."""
+    from nanoengine.layers.sampler import apply_top_k_top_p_min_p
+
+    tokens = []
+    for b in range(logits.shape[0]):
+        if temperatures[b] == 0:
+            tokens.append(int(logits[b].argmax()))
+            continue
+        row = apply_top_k_top_p_min_p(
+            logits[b:b + 1] / temperatures[b], torch.tensor([top_ks[b]]) if top_ks[b] != -1 else None,
+            torch.tensor([top_ps[b]]) if top_ps[b] < 1.0 else None,
+            torch.tensor([min_ps[b]]) if min_ps[b] > 0 else None)  # [1, V]
+        gen = generators[b] if generators[b] is not None else shared_generator
+        tokens.append(int(torch.multinomial(torch.softmax(row[0], -1), 1, generator=gen)))
+    return tokens
+
+
+def _filters(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+             min_ps: list[float]) -> torch.Tensor:
+    """The engine's filter chain, standing in for a stub 5.4."""
+    from nanoengine.layers.sampler import apply_top_k_top_p_min_p
+
+    rows = []
+    for b in range(logits.shape[0]):
+        t = temperatures[b] or 1.0
+        rows.append(apply_top_k_top_p_min_p(
+            logits[b:b + 1] / t, torch.tensor([top_ks[b]]) if top_ks[b] != -1 else None,
+            torch.tensor([top_ps[b]]) if top_ps[b] < 1.0 else None,
+            torch.tensor([min_ps[b]]) if min_ps[b] > 0 else None)[0])
+    return torch.stack(rows)  # [B, V]
+
+
+def your_pieces(folder: Any = None) -> SimpleNamespace:
+    """Your chapter 05 pieces for an engine of your own (chapter 11): `schedule`, `build_inputs`, `sample`
+    and `FlatBatch` from your ch05 file (exercises/, or what NANOENGINE_IMPL names), the engine's own in
+    place of each one still a stub (5.1 and 5.4 too, which 5.2 and 5.5 call); `stood_in` lists those."""
+    from nanoengine.pieces import folder_of
+    from nanoengine.pieces.learner import is_stub, load
+    from nanoengine.pieces.schedule_checks import engine_preempt
+
+    module = load("ch05", folder_of(folder))
+    stood_in = []
+    for name, number, fn in (("preempt_until_fits", "5.1", engine_preempt),
+                             ("process_logits", "5.4", _filters)):
+        if is_stub(getattr(module, name)):
+            setattr(module, name, fn)
+            stood_in.append(number)
+    pieces = SimpleNamespace(FlatBatch=module.FlatBatch, stood_in=stood_in)
+    for name, number, fn in (("schedule", "5.2", Scheduler.pick),
+                             ("build_inputs", "5.3", functools.partial(_layout, module)),
+                             ("sample", "5.5", _draw)):
+        own = getattr(module, name)
+        if is_stub(own):
+            own = fn
+            stood_in.append(number)
+        setattr(pieces, name, own)
+    stood_in.sort()
+    return pieces
+
+
+@contextmanager
+def stand_ins(engine_class: type) -> Iterator[list[str]]:
+    """While the check runs, the engine's own piece replaces each of 5.2, 5.3 and 5.5 that is still the
+    untouched stub in the module `engine_class` comes from; yields the exercises stood in for."""
+    from nanoengine.pieces.learner import is_stub
+
+    module = sys.modules.get(engine_class.__module__)
+    swaps = {"schedule": ("5.2", Scheduler.pick), "build_inputs": ("5.3", functools.partial(_layout, module)),
+             "sample": ("5.5", _draw)}
+    saved = {}
+    for name, (_, fn) in swaps.items():
+        own = getattr(module, name, None)
+        if own is not None and is_stub(own):
+            saved[name] = own
+            setattr(module, name, fn)
+    try:
+        yield [swaps[name][0] for name in saved]
+    finally:
+        for name, own in saved.items():
+            setattr(module, name, own)
+
+
+def run_check(check: Any, engine_class: type, parts: ModelParts, *args: Any) -> str:
+    """One check, bounded in time (60 s), with the engine's own pieces standing in for stubs."""
+    from nanoengine.pieces.schedule_checks import time_limit
+
+    if not callable(getattr(engine_class, "step", None)) or not callable(getattr(engine_class, "add_request",
+                                                                               None)):
+        raise AssertionError(f"{getattr(engine_class, '__name__', engine_class)} has no step() or "
+                             "add_request(): start from the class in the exercise file (Exercise 5.6)")
+    with stand_ins(engine_class) as stood_in, time_limit(60, f"{check.__name__} of your engine", "5.6"):
+        result = check(engine_class, parts, *args)
+    return result + (f" (the engine's own {', '.join(stood_in)} stood in for your stubs)" if stood_in else "")
+
+
 def check_engine(engine_class: type, parts: ModelParts, seed: int | None = None) -> list[str]:
-    """Every check above, in order; AssertionError at the first that fails."""
-    return [check_same_tokens(engine_class, parts, seed), check_tight_pool(engine_class, parts, seed),
-            check_beats_static(engine_class, parts)]
+    """Every check above, in order, each bounded in steps and in time; AssertionError at the first that
+    fails. The engine's own 5.2, 5.3 or 5.5 stands in for one that is still a stub."""
+    return [run_check(check_same_tokens, engine_class, parts, seed),
+            run_check(check_tight_pool, engine_class, parts, seed),
+            run_check(check_seeded, engine_class, parts, seed),
+            run_check(check_beats_static, engine_class, parts)]

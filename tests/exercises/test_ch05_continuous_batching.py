@@ -1,11 +1,12 @@
-"""Exercises of book/05_continuous_batching.ipynb, checked step by step against nanoengine's Scheduler,
-InputBuilder and Sampler on seeded workloads and seeded logits. A mismatch is also compared with the
-classic wrong answers (preempting the oldest, admitting in a step that preempted, top-p before top-k,
-sampling a seeded request from the shared generator, ...) so the message can say which one it looks like."""
+"""Exercises of book/05_continuous_batching.ipynb. 5.1, 5.2 and 5.6 are judged on behaviour only (tokens against
+an oracle, the block books after every step, the rules the book states, outcomes under a tight pool, a bound
+on the steps), so a different correct policy passes; 5.3 is the engine's input layout (FlatBatch is defined
+as that layout) and 5.4/5.5 are judged on what they compute and draw. A 5.3 or 5.4 mismatch is also compared
+with the classic wrong answers (positions from zero, top-p before top-k, ...) so the message can say which one
+it looks like."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -14,8 +15,8 @@ from ex_helpers import assert_equal, book
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
-from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from nanoengine.engine.sequence import Sequence, SequenceStatus
+from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
+from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.sampler import apply_top_k_top_p_min_p
 from nanoengine.sampling_params import SamplingParams
 
@@ -74,29 +75,6 @@ def tokens_of(out: SchedulerOutput, rng: random.Random) -> list[int]:
     return [EOS if rng.random() < 0.08 else rng.randrange(10, 1000) for _ in out.sampled]
 
 
-def plan(out: SchedulerOutput) -> dict:
-    return {"scheduled (seq_id, num_new_tokens, is_prefill)": [(s.seq.seq_id, s.num_new_tokens, s.is_prefill)
-                                                               for s in out.scheduled],
-            "preempted seq ids": [s.seq_id for s in out.preempted],
-            "cache_hits": list(out.cache_hits),
-            "blocks_allocated": list(out.blocks_allocated),
-            "blocks_freed": list(out.blocks_freed),
-            "num_batched_tokens": out.num_batched_tokens}
-
-
-def snapshot(sched: Scheduler) -> dict:
-    bm = sched.block_manager
-    seqs = list(sched.running) + list(sched.waiting)
-    return {"running seq ids": [s.seq_id for s in sched.running],
-            "waiting seq ids": [s.seq_id for s in sched.waiting],
-            "per seq (computed, cached, block table, status, preemptions)": {
-                s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, list(s.block_table), s.status.name,
-                           s.num_preemptions) for s in seqs},
-            "free block list": list(bm.free_block_ids),
-            "ref counts": [b.ref_count for b in bm.blocks],
-            "prefix cache (hash -> block)": dict(bm.hash_to_block_id)}
-
-
 def first_difference(got: dict, want: dict) -> str | None:
     for key, value in want.items():
         if got.get(key) != value:
@@ -107,119 +85,6 @@ def first_difference(got: dict, want: dict) -> str | None:
                 return f"{key}, seq/key {k}: yours {mine.get(k)!r}, expected {value.get(k)!r}"
             return f"{key}: yours {mine!r}, expected {value!r}"
     return None
-
-
-def describe(sched: Scheduler) -> str:
-    bm = sched.block_manager
-    run = ", ".join(f"{s.seq_id}({s.num_computed_tokens}/{s.num_tokens} tok, {len(s.block_table)} blk)"
-                    for s in sched.running)
-    wait = ", ".join(f"{s.seq_id}({s.num_tokens} tok)" for s in sched.waiting)
-    return (f"[state before: budget {sched.max_num_batched_tokens}, max_num_seqs {sched.max_num_seqs}, "
-            f"{bm.num_free_blocks} of {bm.num_blocks} blocks free (block size {bm.block_size}); running {run or '-'}; "
-            f"waiting {wait or '-'}]")
-
-
-# ------------------------------------------------------------------------------ the engine's rules, with knobs
-def ref_preempt(sched, seq, n, out, mode: str = "engine") -> bool:
-    """The engine's preemption loop; `mode` computes a classic wrong variant instead."""
-    bm = sched.block_manager
-    while not bm.can_allocate(seq, n) and sched.running:
-        victim = sched.running.pop(0 if mode == "oldest" else -1)
-        out.blocks_freed += bm.free(victim)
-        if mode != "keep_computed":
-            victim.num_computed_tokens = 0
-        victim.status = SequenceStatus.WAITING
-        victim.num_preemptions += 1
-        if mode == "back_of_queue":
-            sched.waiting.append(victim)
-        else:
-            sched.waiting.appendleft(victim)
-        out.preempted.append(victim)
-        if mode == "one_victim" or (victim is seq and mode != "past_self"):
-            break
-    return seq.status == SequenceStatus.RUNNING
-
-
-PREEMPT_VARIANTS = {
-    "oldest": "preempting the OLDEST running sequence; preempt the newest (the end of sched.running): it has "
-              "the least work to lose, and everything older than `seq` was already scheduled this step",
-    "back_of_queue": "sending the victim to the BACK of the waiting queue; appendleft it: it arrived before "
-                     "every request that is waiting, so it is readmitted first",
-    "keep_computed": "keeping the victim's num_computed_tokens; its blocks are freed, so its K/V are gone and it "
-                     "must be recomputed from token 0",
-    "one_victim": "preempting one victim only; repeat until `seq`'s tokens fit (can_allocate is True)",
-    "past_self": "preempting on after `seq` itself was preempted; stop there and return False",
-}
-
-
-def ref_schedule(sched, mode: str = "engine") -> SchedulerOutput:
-    """A copy of Scheduler.schedule's rules (checked equal to it), with classic wrong variants as `mode`."""
-    bm = sched.block_manager
-    out = SchedulerOutput()
-    budget = sched.max_num_batched_tokens
-    i = 0
-    while i < len(sched.running) and budget > 0:
-        seq = sched.running[i]
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if n == 0:
-            i += 1
-            continue
-        if bm.blocks_needed(seq, n) and not ref_preempt(sched, seq, n, out):
-            break
-        out.blocks_allocated += bm.allocate(seq, n)
-        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
-        out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
-        budget -= n
-        i += 1
-    if not out.preempted or mode == "admit_after_preempt":
-        j = 0
-        while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
-            seq = sched.waiting[j]
-            first = seq.wait_for
-            if (mode != "ignore_wait_for" and first is not None and not first.is_finished
-                    and first.num_computed_tokens < first.num_prompt_tokens):
-                j += 1
-                continue
-            hits = bm.match_prefix(seq)
-            seq.num_cached_tokens = hits
-            seq.num_computed_tokens = hits if mode == "no_last_token" else min(hits, seq.num_tokens - 1)
-            left = seq.num_tokens - seq.num_computed_tokens
-            n = left if mode == "no_chunking" else min(left, budget)
-            if not bm.can_allocate(seq, n) or (mode == "no_chunking" and n > budget):
-                bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-                if mode == "skip_ahead":
-                    j += 1
-                    continue
-                break
-            is_prefill = seq.is_prefill
-            out.blocks_allocated += bm.allocate(seq, n)
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
-            del sched.waiting[j]
-            seq.status = SequenceStatus.RUNNING
-            sched.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
-            out.cache_hits.append((seq.seq_id, hits))
-            budget -= n
-    out.num_batched_tokens = sched.max_num_batched_tokens - budget
-    return out
-
-
-SCHEDULE_VARIANTS = {
-    "admit_after_preempt": "admitting waiting requests in a step that preempted; the pool is short of blocks, so "
-                           "an admission would take the blocks just freed and the preempted sequence would come "
-                           "straight back: admit nothing in such a step",
-    "skip_ahead": "skipping a waiting request that does not fit and admitting a later one; stop admitting at "
-                  "the first that does not fit (first come, first served, as vLLM v1 does), so a long prompt is "
-                  "not overtaken forever by short ones",
-    "no_last_token": "counting a full prefix hit as computed; set num_computed_tokens = min(hits, num_tokens - 1): "
-                     "the last prompt token is always computed, its logits give the first new token",
-    "no_chunking": "refusing to split a prompt; cap n at what is left of the budget (chunked prefill), the rest "
-                   "of the prompt is scheduled in the next steps",
-    "ignore_wait_for": "admitting an n>1 sibling before the first completion's prompt is computed; skip it while "
-                       "`seq.wait_for` is unfinished and short of its prompt, so it hits those blocks instead of "
-                       "computing the same prompt again",
-}
 
 
 class Verdict:
@@ -251,33 +116,6 @@ class Verdict:
         raise AssertionError(f"{self.first}{hint} {where}")
 
 
-def drive(sched: Scheduler, wl: Workload, steps: int, rng: random.Random, on_step) -> dict:
-    """Run the engine's scheduler for `steps` steps (adding requests now and then), calling
-    on_step(step, state_before) first; return counts of what the workload exercised."""
-    seen = {"preempted": 0, "chunked": 0, "hits": 0, "full_hits": 0, "blocked_waiting": 0, "siblings_waited": 0}
-    for step in range(steps):
-        if rng.random() < 0.3 or not sched.has_unfinished():
-            wl.add_requests(sched, rng.randint(1, 3))
-        on_step(step, sched)
-        order = list(sched.waiting)
-        sibling = [s.wait_for is not None and not s.wait_for.is_finished
-                   and s.wait_for.num_computed_tokens < s.wait_for.num_prompt_tokens for s in order]
-        out = sched.schedule()
-        admitted = [any(s is x.seq for x in out.scheduled) for s in order]
-        seen["preempted"] += bool(out.preempted)
-        seen["chunked"] += any(s.is_prefill and s.start + s.num_new_tokens < len(s.seq.token_ids)
-                               for s in out.scheduled)
-        seen["hits"] += sum(h > 0 for _, h in out.cache_hits)
-        seen["full_hits"] += sum(1 for s in out.scheduled if s.is_prefill and s.num_new_tokens == 1
-                                 and s.seq.num_cached_tokens == len(s.seq.token_ids))
-        seen["siblings_waited"] += any(sib and not adm for sib, adm in zip(sibling, admitted))
-        # a waiting request that did not fit, with later ones left waiting behind it (first come, first served)
-        seen["blocked_waiting"] += any(not admitted[a] and not sibling[a] and not all(admitted[a + 1:])
-                                       for a in range(len(order) - 1)) and not out.preempted
-        sched.update(out, tokens_of(out, rng))
-    return seen
-
-
 WORKLOADS = [  # seed, num_blocks, block_size, budget, max_num_seqs, max prompt, max new tokens, steps
     (51, 200, 4, 24, 6, 40, 12, 60),  # roomy pool: chunked prefill, prefix hits, siblings
     (52, 14, 4, 16, 4, 26, 16, 80),  # small pool: preemption, admission stopped at a request that does not fit
@@ -286,81 +124,21 @@ WORKLOADS = [  # seed, num_blocks, block_size, budget, max_num_seqs, max prompt,
 
 
 # ------------------------------------------------------------------------------------------------- 5.1
-def test_5_1_preempt_newest_until_it_fits(ex):
-    where = book(NB, "5.1")
-    cases = 0
-    verdict = Verdict(PREEMPT_VARIANTS)
-    for seed, num_blocks, bs, budget, max_seqs, max_prompt, max_new, steps in WORKLOADS:
-        rng = random.Random(seed + 100)
-        wl = Workload(seed, bs, max_prompt, max_new)
-        sched = make_sched(num_blocks, bs, budget, max_seqs)
+# 5.1 and 5.2 are judged on behaviour (nanoengine/pieces/schedule_checks.py): a fake model over a simulated
+# paged KV cache gives tokens that are right only when every read finds the K/V its position needs, the block
+# books are checked after every call and step, and the rules the book states are checked one by one; never
+# the engine's own choices (which victim, which block goes back first), so another correct policy passes
+def test_5_1_preemption_makes_room_and_resets_its_victims(ex):
+    from nanoengine.pieces.schedule_checks import check_preempt
 
-        def on_step(step, state, rng=rng, bs=bs, seed=seed):
-            nonlocal cases
-            if len(state.running) < 2 or rng.random() < 0.5:
-                return
-            i = rng.randrange(len(state.running))
-            seq = state.running[i]
-            free = state.block_manager.num_free_blocks
-            # ask for more tokens than the free blocks hold: at least one victim; sometimes seq itself
-            extra = rng.choice([1, 1, 2, len(state.running)])
-            n = (len(seq.block_table) + free + extra) * bs - seq.num_computed_tokens
-            want_sched, got_sched = copy.deepcopy(state), copy.deepcopy(state)
-            idx = [s.seq_id for s in state.running].index(seq.seq_id)
-            want_out, got_out = SchedulerOutput(), SchedulerOutput()
-            want_ret = ref_preempt(want_sched, want_sched.running[idx], n, want_out)
-            got_ret = ex.preempt_until_fits(got_sched, got_sched.running[idx], n, got_out)
-            want = {"returned": want_ret, **plan(want_out), **snapshot(want_sched)}
-            got = {"returned": got_ret, **plan(got_out), **snapshot(got_sched)}
-            def variant(mode):
-                s, o = copy.deepcopy(state), SchedulerOutput()
-                r = ref_preempt(s, s.running[idx], n, o, mode)
-                return {"returned": r, **plan(o), **snapshot(s)}
-            verdict.step(got, want, variant, first_difference(got, want),
-                         f"preempt_until_fits(seq {seq.seq_id} at running index {idx}, {n} new tokens) at step "
-                         f"{step} of workload {seed}: {describe(state)}")
-            cases += 1
-
-        drive(sched, wl, steps, rng, on_step)
-        verdict.check(where)
-    assert cases >= 40, f"the workloads should produce preemption cases (got {cases})"
+    check_preempt(ex.preempt_until_fits)
 
 
 # ------------------------------------------------------------------------------------------------- 5.2
-def test_5_2_schedule_matches_the_engine_step_by_step(ex):
-    where = book(NB, "5.2")
-    verdict = Verdict(SCHEDULE_VARIANTS)
-    for seed, num_blocks, bs, budget, max_seqs, max_prompt, max_new, steps in WORKLOADS:
-        rng = random.Random(seed + 200)
-        wl = Workload(seed, bs, max_prompt, max_new)
-        sched = make_sched(num_blocks, bs, budget, max_seqs)
-        skipping_differs = [0]  # steps where skipping ahead would admit differently
+def test_5_2_schedule_keeps_the_rules_the_books_and_the_tokens(ex):
+    from nanoengine.pieces.schedule_checks import check_schedule
 
-        def on_step(step, state, seed=seed, skipping_differs=skipping_differs):
-            engine, yours = copy.deepcopy(state), copy.deepcopy(state)
-            want = {**plan(engine.pick()), **snapshot(engine)}  # the policy, before the step is committed
-            if step % 4 == 0:  # the variants below come from ref_schedule: keep it equal to the engine
-                reference = copy.deepcopy(state)
-                ref = {**plan(ref_schedule(reference)), **snapshot(reference)}
-                assert ref == want, f"test bug: ref_schedule drifted from Scheduler.schedule at step {step}"
-            out = ex.schedule(yours)
-            if not isinstance(out, SchedulerOutput):
-                raise AssertionError(f"schedule must return a SchedulerOutput, got {type(out).__name__} {where}")
-            got = {**plan(out), **snapshot(yours)}
-
-            def variant(mode):
-                s = copy.deepcopy(state)
-                return {**plan(ref_schedule(s, mode)), **snapshot(s)}
-            skipping_differs[0] += variant("skip_ahead") != want
-            verdict.step(got, want, variant, first_difference(got, want),
-                         f"schedule() at step {step} of workload {seed} {describe(state)}")
-
-        seen = drive(sched, wl, steps, rng, on_step)
-        verdict.check(where)
-        if seed == 51:
-            assert seen["chunked"] and seen["hits"] and seen["full_hits"] and seen["siblings_waited"], seen
-        if seed == 52:
-            assert seen["preempted"] >= 3 and seen["blocked_waiting"] and skipping_differs[0], seen
+    check_schedule(ex)
 
 
 # ------------------------------------------------------------------------------------------------- 5.3
@@ -680,8 +458,9 @@ def test_5_5_sample_draws_from_the_filtered_distribution(ex):
 
 # ------------------------------------------------------------------------------------ 5.6: your own engine
 # judged on behaviour only (nanoengine/pieces/own_engine.py): transformers' greedy tokens, balanced books after
-# every step, a tight pool that preempts, fewer steps than static batching; prompts drawn from a seed the book
-# does not show
+# every step, a tight pool that preempts, seeded sampled tokens that do not depend on the batch or the chunks,
+# fewer steps than static batching; prompts drawn from a seed the book does not show; each check bounded in
+# steps and in time, with the engine's own 5.2/5.3/5.5 standing in for stubs
 UNSEEN = 2026
 
 
@@ -693,32 +472,24 @@ def parts():
 
 
 def test_5_6_own_engine_gives_transformers_tokens(ex, parts):
-    from nanoengine.pieces.own_engine import check_same_tokens
+    from nanoengine.pieces.own_engine import check_same_tokens, run_check
 
-    check_same_tokens(ex.MyEngine, parts, UNSEEN)
+    run_check(check_same_tokens, ex.MyEngine, parts, UNSEEN)
 
 
 def test_5_6_own_engine_preempts_in_a_tight_pool(ex, parts):
-    from nanoengine.pieces.own_engine import check_tight_pool
+    from nanoengine.pieces.own_engine import check_tight_pool, run_check
 
-    check_tight_pool(ex.MyEngine, parts, UNSEEN)
+    run_check(check_tight_pool, ex.MyEngine, parts, UNSEEN)
 
 
 def test_5_6_own_engine_beats_static_batching(ex, parts):
-    from nanoengine.pieces.own_engine import check_beats_static
+    from nanoengine.pieces.own_engine import check_beats_static, run_check
 
-    check_beats_static(ex.MyEngine, parts)
+    run_check(check_beats_static, ex.MyEngine, parts)
 
 
-def test_5_6_own_engine_seeded_request_ignores_its_batch(ex, parts):
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=6, ignore_eos=True)
-    prompt = list(range(300, 340))
-    alone = ex.MyEngine(parts).generate([prompt], seeded)[0]
-    others = [list(range(500, 520)), list(range(700, 790))]
-    batch = ex.MyEngine(parts, seed=3).generate(
-        [others[0], prompt, others[1]],
-        [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True), seeded,
-         SamplingParams(temperature=0.7, top_k=20, max_tokens=4, ignore_eos=True)])[1]
-    assert_equal(batch, alone, "a seeded request's tokens in a batch vs alone",
-                 "(each row draws with its own sequence's generator, self.generators, and the others from "
-                 f"self.shared_generator) {book(NB, '5.6')}")
+def test_5_6_own_engine_seeded_tokens_ignore_batch_and_chunks(ex, parts):
+    from nanoengine.pieces.own_engine import check_seeded, run_check
+
+    run_check(check_seeded, ex.MyEngine, parts, UNSEEN)
