@@ -32,6 +32,7 @@ from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.interrupts import held_interrupts
 from nanoengine.engine.logits_masks import chain, min_tokens_mask
 from nanoengine.engine.logprob_outputs import LogprobOutputs
+from nanoengine.engine.overlap import OverlapLoop, StepLoop
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Request, check_token_ids, new_request
 from nanoengine.engine.sampling import SamplingBatcher
@@ -87,8 +88,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0  # steps finished
-        self.in_flight: LaunchedStep | None = None  # the step launched and not yet finished (overlap)
-        self.deferred_error: BaseException | None = None  # for the next step() to raise (see step)
+        # one step at a time, or overlap scheduling's loop (a step in flight while the next is scheduled)
+        self.loop: StepLoop | OverlapLoop = (OverlapLoop if plan.async_scheduling else StepLoop)(self)
         self.trace: RunTrace | None = None  # what start_trace records into (its recorder: an observer)
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run (clear_stats)
@@ -175,8 +176,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Sequences to run, a step in flight to finish, or an error to raise."""
-        return (self.scheduler.has_unfinished() or self.in_flight is not None
-                or self.deferred_error is not None)
+        return self.scheduler.has_unfinished() or self.loop.busy()
 
     def start_trace(self) -> RunTrace:
         """Record a StepTrace of every step from now on, into the RunTrace returned (`stop_trace` ends it)."""
@@ -201,51 +201,33 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------- one step
     def step(self) -> StepResult:
-        """One engine step: launch the next step, finish the last one, return its result.
+        """One engine step: schedule -> launch -> finish, and its result. With overlap scheduling
+        (`async_scheduling`, chapter 06) a call launches step N+1 and then finishes step N (the first call
+        finishes none): engine/overlap.py's loop. A failed step is undone (`forget_steps`)."""
+        return self.loop.step()
 
-        Without overlap the step launched is the one finished. With `async_scheduling` a call launches step
-        N+1 and then finishes step N, whose forward ran meanwhile: the host's work for one hides behind the
-        device's for the other (chapter 06); the first call finishes none. A step in flight that sampled a
-        sequence with structured outputs is finished first: the next step's grammar mask needs its tokens. If
-        the step after it then fails, the finished step's result is returned and the error raised by the next
-        call (or by `drain`): nothing that was done is lost. A failed step is undone (`forget_steps`)."""
-        if self.deferred_error is not None:  # raised after the step before it, whose result came first
-            error, self.deferred_error = self.deferred_error, None
-            raise error
-        first = None
-        if self.in_flight is not None and self.grammars.samples_grammar(self.in_flight.scheduled.sampled):
-            first = self.drain()  # its result is this call's (the step launched below stays in flight)
-        try:
-            result = self.schedule_and_run()
-        except BaseException as error:
-            if first is None:
-                raise
-            # nothing the drained step finished is lost: its result now, the error at the next call
-            self.deferred_error = error  # (has_unfinished says there is one)
-            return first
-        return result if first is None else first
-
-    def schedule_and_run(self) -> StepResult:
-        """Schedule a step and launch it, then finish the step due (itself, or with overlap the one before).
-        If anything raises, the committed steps not yet finished are undone (`forget_steps`)."""
-        before, out, launched = self.in_flight, None, None
-        started = time.perf_counter()
+    def schedule_and_launch(self) -> LaunchedStep:
+        """Schedule a step (a draft source's drafts first) and launch it; if that fails, the step is undone
+        (`forget_steps`) before the error is raised."""
+        out, started = None, time.perf_counter()
         try:
             self.drafts.propose(self.scheduler)  # speculative decoding's drafts, if any (hooks.py)
             with held_interrupts():
                 out = self.scheduler.schedule()  # before the forward: the batch, committed
-            launched = self.launch(out, started)  # its inputs laid out; the forward and the draw started
-            if self.plan.async_scheduling and not launched.is_empty:
-                done, self.in_flight = self.in_flight, launched  # it runs while the step before finishes
-            else:
-                done, self.in_flight = self.in_flight or launched, None
-            return self.finish(done)  # after the forward: tokens in place (Scheduler.update), text, stats
+            return self.launch(out, started)  # its inputs laid out; the forward and the draw started
         except BaseException:
-            if launched is None and out is not None:  # its launch failed: undone as it stands
-                launched = LaunchedStep(out, None, None)
-            unfinished = [step for step in (before, launched) if step is not None]
             with held_interrupts():  # (a second Ctrl-C waits until the step is undone)
-                self.forget_steps([step for step in unfinished if not step.scheduled.updated])
+                self.forget_steps([] if out is None else [LaunchedStep(out, None, None)])
+            raise
+
+    def finish_or_forget(self, step: LaunchedStep | None) -> StepResult:
+        """`finish` a launched step; if that fails before its tokens are in place, the step is undone."""
+        try:
+            return self.finish(step)
+        except BaseException:
+            if step is not None and not step.scheduled.updated:
+                with held_interrupts():
+                    self.forget_steps([step])
             raise
 
     def launch(self, out: SchedulerOutput, started: float | None = None) -> LaunchedStep:
@@ -336,7 +318,7 @@ class LLMEngine:
         ran. The executor's thread finishes what it holds, the seeded generators are put back as they were
         before the first of them drew, and the scheduler undoes their commits (`Scheduler.forget`: pending
         tokens, the prefix cache, admissions), so the engine can step again."""
-        self.in_flight = None
+        self.loop.forget()
         self.executor.settle()
         for step in reversed(steps):  # the first step's states are put back last
             if step.forward is not None:
@@ -346,17 +328,12 @@ class LLMEngine:
     def drain(self) -> StepResult:
         """Finish the step in flight, if any (overlap scheduling), so the engine is idle; an error that a step
         deferred is raised here, if no step raised it since."""
-        if self.deferred_error is not None:
-            error, self.deferred_error = self.deferred_error, None
-            raise error
-        step, self.in_flight = self.in_flight, None
-        try:
-            return self.finish(step)
-        except BaseException:
-            if step is not None and not step.scheduled.updated:
-                with held_interrupts():
-                    self.forget_steps([step])
-            raise
+        return self.loop.drain()
+
+    @property
+    def in_flight(self) -> LaunchedStep | None:
+        """The step launched and not yet finished (overlap scheduling), if any."""
+        return self.loop.in_flight
 
     def note_times(self, step: LaunchedStep, update: StepUpdate, now: float) -> list[Request]:
         """Request metrics (first scheduled, finished); finished sequences let go of their sampling state.
