@@ -4,19 +4,27 @@ book chapter (00-10) does:
     from nanoengine.check import check
     check("ch03")
 
-and an inline check cell after an exercise shows that exercise's tests: `check("5.2")`. A test that stops at
-the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo"). Once all of a chapter's tests
+and an inline check cell after an exercise runs that exercise's tests only: `check("5.2")`. A test that stops
+at the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo"). A failure shows the
+difference first: "yours" and "expected" on two aligned lines with the first differing item marked, a dict
+as the keys that differ, block hashes as short ids (#5f66a1: the first 6 hex digits of the 64-bit value);
+then the hint, then the state the test started from, whole, one part a line. Once all of a chapter's tests
 pass, the chapter-end check runs its capstone (chapters 02-07, 09 and 10, `nanoengine.pieces.capstone`): the
-engine on the learner's pieces must give the engine's own greedy text, and its last rows say so.
+engine on the learner's pieces must give the engine's own greedy text, and its last rows say so; when it does
+not, they name the piece most likely at fault, from what differs (the first token, a later one, a step's
+prefix hits, preemptions, blocks or token counts).
 
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
-exercises/ files are always picked up without restarting the kernel; the results of a run are reused until
-your files or the tests change. By default they test your
-exercises/; `impl="solutions"` tests the reference answers (or set NANOENGINE_IMPL).
+exercises/ files are always picked up without restarting the kernel. Each exercise's results are reused until
+your files or the tests change. The first one-exercise check after a change also runs the rest of the
+chapter's tests behind it, in the background, so a Run All costs two pytest processes, not one per exercise.
+By default they test your exercises/; `impl="solutions"` tests the reference answers (or set NANOENGINE_IMPL).
 """
 
 from __future__ import annotations
 
+import ast
+import atexit
 import os
 import re
 import subprocess
@@ -57,6 +65,7 @@ class ChapterResult:
     # the engine on your pieces (nanoengine.pieces.capstone.CapstoneResult), once all pass
     capstone: Any = None
     capstone_note: str = ""  # why there is no capstone run (a chapter without pieces, exercises still to do)
+    suspects: list[str] = field(default_factory=list)  # per failed capstone row: the likeliest piece at fault
 
     def status(self, exercise: str) -> str:
         outcomes = {t.outcome for t in self.tests if t.exercise == exercise}
@@ -109,6 +118,8 @@ class ChapterResult:
             lines.append(f"capstone: the engine on your {self.chapter} pieces vs on its own (greedy, fp32)")
             for model, ok, detail in self.capstone.rows:
                 lines.append(f"  {model:<14} {'PASS' if ok else 'FAIL':<5} {detail}")
+            for note in dict.fromkeys(s for s in self.suspects if s):
+                lines.extend(textwrap.wrap(note, 110, initial_indent="  -> ", subsequent_indent=" " * 5))
         elif self.capstone_note:
             lines.append(f"capstone: {self.capstone_note}")
         return "\n".join(lines)
@@ -130,8 +141,18 @@ def _shorten(text: str, n: int) -> str:
 _DUMP_START = re.compile(r"\[[a-z][a-z_]*[ :]")
 _HINT = re.compile(r"This looks like .*?\.(?=\s*(?:This looks like|\(|$))", re.S)
 _JUNIT_CUT = re.compile(r"\n\[(?:truncated|\+\d+ more lines?); full report in element text\]$")
-DUMP_CHARS = 240  # what is kept of a state dump; the difference and the hints are never cut
 LEAD_CHARS = 900  # what is kept of the text between hints, should a difference be a huge repr
+SHOWN_WHOLE = 150  # a value's repr up to this long is shown whole beside the other; longer, around the change
+# a block hash (a chained 64-bit xxhash, or Python's hash): an integer of 12 digits or more
+_HASH = re.compile(r"(?<![\w.#])-?\d{12,}(?![\w.])")
+_YOURS = re.compile(r"\byours (?=[\[({])")
+_EXPECTED = re.compile(r",? (?:expected|the engine's|the engine) (?=[\[({])")
+
+
+def short_ids(text: str) -> str:
+    """Block hashes (integers of 12 digits or more) as '#' and the first 6 hex digits of their 64-bit value:
+    the same hash gets the same id wherever it appears."""
+    return _HASH.sub(lambda m: "#" + format(int(m.group(0)) % (1 << 64), "x")[:6], text)
 
 
 def _full_message(message: str, text: str) -> str:
@@ -144,24 +165,55 @@ def _full_message(message: str, text: str) -> str:
     return "\n".join(lines)
 
 
+def _literal_end(text: str, i: int) -> int | None:
+    """The end of the bracketed span (a repr, or a state dump) that opens at text[i], or None."""
+    if i >= len(text) or text[i] not in "[({":
+        return None
+    depth, quote, j = 0, "", i
+    while j < len(text):
+        c = text[j]
+        if quote:
+            if c == "\\":
+                j += 1
+            elif c == quote:
+                quote = ""
+        elif c in "'\"" and text[j - 1] in " [({,:":  # a string opens (an apostrophe in a word does not)
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
 def _dumps(text: str) -> list[tuple[int, int]]:
     """(start, end) of each state dump in `text`, brackets balanced."""
     spans, i = [], 0
     while (m := _DUMP_START.search(text, i)) is not None:
-        depth, j = 0, m.start()
-        for j in range(m.start(), len(text)):
-            depth += {"[": 1, "]": -1}.get(text[j], 0)
-            if depth == 0:
-                break
-        spans.append((m.start(), j + 1))
-        i = j + 1
+        end = _literal_end(text, m.start()) or len(text)
+        spans.append((m.start(), end))
+        i = end
     return spans
 
 
-def split_failure(message: str) -> tuple[str, str]:
-    """(lead, detail) of a failure message. The lead is what to read first: the message without its state
+def _top_level_split(text: str, sep: str) -> list[str]:
+    """`text` split at each `sep` outside brackets."""
+    parts, depth, at = [], 0, 0
+    for j, c in enumerate(text):
+        depth += {"[": 1, "(": 1, "{": 1, "]": -1, ")": -1, "}": -1}.get(c, 0)
+        if depth == 0 and text.startswith(sep, j):
+            parts.append(text[at:j])
+            at = j + len(sep)
+    return [p.strip() for p in [*parts, text[at:]] if p.strip()]
+
+
+def split_failure(message: str) -> tuple[str, list[str]]:
+    """(lead, dumps) of a failure message. The lead is what to read first: the message without its state
     dumps, so the difference and every "This looks like ..." sentence come whole, in the message's order; the
-    detail is the state dumps, each cut to DUMP_CHARS.
+    dumps are the state the test started from, each whole.
 
     "schedule() at step 19 [state before: ...]: scheduled ...: yours ..., expected .... This looks like ..."
     leads with "schedule() at step 19: scheduled ...: yours ..., expected .... This looks like ...", and the
@@ -172,22 +224,118 @@ def split_failure(message: str) -> tuple[str, str]:
     for dump in dumps:
         lead = lead.replace(dump, "")
     lead = " ".join(lead.split()).replace(" :", ":").replace(" .", ".")
+    def cut(piece: str) -> str:  # (only in a pathological case) text that holds no difference to show
+        return piece.strip() if _literal_pairs(piece) else _shorten(piece, LEAD_CHARS)
+
     pieces, at = [], 0
-    for m in _HINT.finditer(lead):  # cut (only in a pathological case) what lies between the hints
-        pieces += [_shorten(lead[at:m.start()], LEAD_CHARS), m.group(0)]
+    for m in _HINT.finditer(lead):
+        pieces += [cut(lead[at:m.start()]), m.group(0)]
         at = m.end()
-    lead = " ".join(p for p in [*pieces, _shorten(lead[at:], LEAD_CHARS)] if p)
-    detail = " ".join(d if len(d) <= DUMP_CHARS else d[:DUMP_CHARS - 5] + " ...]" for d in dumps)
-    return lead, detail
+    lead = " ".join(p for p in [*pieces, cut(lead[at:])] if p)
+    return lead, dumps
+
+
+def _literal_pairs(text: str) -> list[tuple[int, int, str, str]]:
+    """(start, end, yours, expected) of each "yours <repr>, expected <repr>" in `text` (both bracketed)."""
+    pairs, i = [], 0
+    while (m := _YOURS.search(text, i)) is not None:
+        a1 = _literal_end(text, m.end())
+        sep = _EXPECTED.match(text, a1) if a1 else None
+        b1 = _literal_end(text, sep.end()) if sep else None
+        if b1 is None:
+            i = m.end()
+            continue
+        pairs.append((m.start(), b1, text[m.end():a1], text[sep.end():b1]))
+        i = b1
+    return pairs
+
+
+def _r(x: Any) -> str:
+    return short_ids(repr(x))
+
+
+def _items(value: Any) -> str:
+    """A list's or tuple's repr with block hashes as short ids."""
+    inner = ", ".join(_r(x) for x in value)
+    return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+
+
+def difference(got: str, want: str) -> list[str]:
+    """The lines that show how the repr `got` differs from the repr `want`: both on aligned lines with the
+    first differing item marked (a list or tuple), or the keys that differ (a dict)."""
+    try:
+        g, w = ast.literal_eval(got), ast.literal_eval(want)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        g = w = None
+    if isinstance(g, dict) and isinstance(w, dict):
+        lines = []
+        if len(_r(g)) + len(_r(w)) <= 2 * SHOWN_WHOLE:
+            lines += [f"yours    {_r(g)}", f"expected {_r(w)}"]
+        keys = [k for k in w if k in g and g[k] != w[k]]
+        extra, missing = [k for k in g if k not in w], [k for k in w if k not in g]
+        for k in keys[:6]:
+            lines.append(f"at {_r(k)}: yours {_r(g[k])}, expected {_r(w[k])}")
+        if len(keys) > 6:
+            lines.append(f"... and {len(keys) - 6} more keys differ")
+        for what, ks, d in (("keys only yours have", extra, g), ("keys yours lack", missing, w)):
+            if ks:
+                shown = ", ".join(f"{_r(k)}: {_r(d[k])}" for k in ks[:6])
+                lines.append(f"{what} ({len(ks)}): {shown}{', ...' if len(ks) > 6 else ''}")
+        return lines
+    if isinstance(g, (list, tuple)) and isinstance(w, (list, tuple)):
+        i = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        whole = max(len(_items(g)), len(_items(w))) <= SHOWN_WHOLE
+        lo, hi = (0, max(len(g), len(w))) if whole else (max(0, i - 2), i + 3)
+        shown = []
+        for v in (g, w):
+            s = _items(type(v)(v[lo:hi]))
+            s = s[:-1] + ", ...]" if len(v) > hi else s
+            shown.append("[..., " + s[1:] if lo else s)
+        gs, ws = shown
+        prefix = "[..., " if lo else ""
+        at = len(prefix or "[") + sum(len(_r(x)) + 2 for x in g[lo:i])
+        where = (f"item {i}: yours {_r(g[i]) if i < len(g) else 'nothing'}, expected "
+                 f"{_r(w[i]) if i < len(w) else 'nothing'}")
+        if len(g) != len(w):
+            where += f" (yours has {len(g)} items, expected {len(w)})"
+        return [f"yours    {gs}", f"expected {ws}", " " * (9 + at) + "^ " + where]
+    a, b = short_ids(got), short_ids(want)
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return [f"yours    {a}", f"expected {b}", " " * (9 + at) + "^"]
 
 
 def render_failure(name: str, message: str, width: int = 110) -> list[str]:
-    """The table's lines for a failed test: the difference and the hints first, whole; then the detail."""
-    lead, detail = split_failure(message)
-    lines = textwrap.wrap(f"-> {name}: {lead}", width, initial_indent=" " * 9, subsequent_indent=" " * 12,
-                          break_on_hyphens=False)
-    return lines + textwrap.wrap(detail, width, initial_indent=" " * 12, subsequent_indent=" " * 12,
-                                 break_on_hyphens=False)
+    """The table's lines for a failed test: the difference (yours and expected aligned) and the hints first,
+    whole; then the state the test started from, whole, one part a line."""
+    lead, dumps = split_failure(message)
+    lines: list[str] = []
+    text, first = f"-> {name}: ", True
+
+    def say(words: str) -> None:
+        nonlocal first
+        if words.strip():
+            lines.extend(textwrap.wrap(short_ids(words), width, initial_indent=" " * (9 if first else 12),
+                                       subsequent_indent=" " * 12, break_on_hyphens=False))
+            first = False
+
+    at = 0
+    for start, end, got, want in _literal_pairs(lead):
+        if len(got) + len(want) < 60 and not got.startswith("{"):  # a short list reads well inline
+            continue
+        say(text + lead[at:start].rstrip())
+        text = ""
+        lines.extend(" " * 14 + line for line in difference(got, want))
+        at = end
+    say(text + lead[at:].lstrip(" ,;:."))
+    for dump in dumps:
+        parts = _top_level_split(dump[1:-1], "; ")
+        for k, part in enumerate(parts):
+            lines.extend(textwrap.wrap(short_ids(part), width, initial_indent=" " * (12 if k == 0 else 14),
+                                       subsequent_indent=" " * 16, break_on_hyphens=False))
+    if _HASH.search(message):
+        lines.append(" " * 12 + "(#5f66a1 and the like: block hashes, by the first 6 hex digits of their "
+                     "64-bit value)")
+    return lines
 
 
 def _chapter_files(chapter: str | int) -> tuple[str, list[Path]]:
@@ -236,7 +384,23 @@ def _parse_junit(path: Path) -> list[TestResult]:
     return results
 
 
-_RESULTS: dict[tuple, tuple[list[TestResult], str]] = {}  # source stamps -> (tests, error) of a finished run
+# source stamps -> {exercise: its tests' results}, and whether every test of the chapter has run
+_RESULTS: dict[tuple, dict[str, list[TestResult]]] = {}
+_COMPLETE: set[tuple] = set()
+# source stamps -> the run of the rest of the chapter that a one-exercise check started behind it
+_BACKGROUND: dict[tuple, Any] = {}
+
+
+def _forget() -> None:
+    """Drop every kept result, and stop a background run whose files have changed."""
+    for run in _BACKGROUND.values():
+        _stop(run)
+    _BACKGROUND.clear()
+    _RESULTS.clear()
+    _COMPLETE.clear()
+
+
+atexit.register(_forget)
 
 
 def _stamp(impl_dir: Path, chapter: str) -> tuple:
@@ -245,13 +409,21 @@ def _stamp(impl_dir: Path, chapter: str) -> tuple:
     return (str(impl_dir), chapter, *((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in paths))
 
 
+def _selector(number: str) -> str:
+    """The pytest -k word that selects exercise "5.3"'s tests (test_5_3_*)."""
+    return "test_{}_{}_".format(*number.split("."))
+
+
 def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> ChapterResult:
-    """Run a chapter's exercise tests ("ch05"), or show one exercise's ("5.2"); return the results (check()
-    prints them). The whole chapter runs either way, and its results are kept until the chapter's exercise
-    files or the tests change, so the inline checks and the chapter-end table of a Run All cost one run."""
+    """Run a chapter's exercise tests ("ch05"), or one exercise's only ("5.2"); return the results (check()
+    prints them). Each exercise's results are kept until the chapter's exercise files or the tests change.
+    The first one-exercise check after a change also starts the rest of the chapter's tests in the background
+    (at a lower priority; stopped if the files change again), so that a Run All's inline checks and its
+    chapter-end table cost two pytest processes, not one per exercise."""
     one = _ONE_EXERCISE.fullmatch(str(chapter).strip())
     if one:
         chapter = one.group(1)
+    number = f"{int(one.group(1))}.{int(one.group(2))}" if one else ""
     name, files = _chapter_files(chapter)
     impl = impl or default_impl()
     impl_dir = ROOT / impl if impl in ("exercises", "solutions") else Path(impl)
@@ -259,20 +431,138 @@ def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> Ch
                            exercises=_exercise_titles(impl_dir, name))
     key = _stamp(impl_dir, name)
     if key not in _RESULTS:
-        tests, error = _run_pytest(files, impl, timeout)
+        _forget()  # keep one chapter's results at a time
+        _RESULTS[key] = {}
+    done = _RESULTS[key]
+    if key in _BACKGROUND and not (number and number in done):  # the rest of the chapter: wait for it
+        tests, error = _finish_pytest(_BACKGROUND.pop(key), timeout)
+        if not error:
+            for t in tests:
+                done.setdefault(t.exercise, []).append(t)
+            _COMPLETE.add(key)
+    if number and number not in done and key not in _COMPLETE:
+        select = _selector(number)
+    elif not number and key not in _COMPLETE:
+        select = " and ".join(f"not {_selector(n)}" for n in sorted(done))
+    else:
+        select = None  # nothing left to run
+    if select is not None:
+        tests, error = _run_pytest(files, impl, timeout, select)
         if error:
             result.tests, result.error = tests, error
             return result
-        _RESULTS.clear()  # keep one chapter's results at a time
-        _RESULTS[key] = (tests, error)
-    result.tests = list(_RESULTS[key][0])
-    if not one:
-        add_capstone(result, impl_dir, key)
-    if one:
-        number = f"{int(one.group(1))}.{int(one.group(2))}"
+        if number:
+            done[number] = []
+        for t in tests:
+            done.setdefault(t.exercise, []).append(t)
+        if not number:
+            _COMPLETE.add(key)
+        elif len(done) == 1:  # the first check since the files changed: run the rest behind it
+            _BACKGROUND[key] = _start_pytest(files, impl, f"not {_selector(number)}", background=True)
+    result.tests = [t for n, ts in done.items() if not number or n == number for t in ts]
+    if number:
         result.exercises = {k: v for k, v in result.exercises.items() if k == number}
-        result.tests = [t for t in result.tests if t.exercise == number]
+    else:
+        add_capstone(result, impl_dir, key)
     return result
+
+
+# The piece of a chapter most likely at fault when its capstone differs while every exercise test passes, by
+# what differs: "first" (a prompt's first generated token: the prompt's forward), "later" (a token after the
+# first: decode steps), what the row says of the schedule or the pool ("prefix-hit tokens", "preemptions",
+# "blocks in use", "sequences", "prefill tokens", "decode tokens"), or "other" (over the budget, too many
+# steps). Each rule: the pieces, most likely first, and why.
+SUSPECTS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
+    "ch02": {"first": (("causal_gqa_attention", "apply_rope", "rms_norm"),
+                       "a prompt's first token comes from its forward, where all three of yours run"),
+             "later": (("apply_rope", "rms_norm"),
+                       "later tokens come from decode steps: your norms and RoPE (at positions past the "
+                       "prompt) run there, the attention is the engine's paged one")},
+    "ch03": {"first": (("paged_prefill_attention", "store_kv", "batch_slot_mapping", "attention_metadata"),
+                       "a prompt that continues a cached prefix (a prefix hit, or its second chunk) attends "
+                       "over the blocks your store filled, with your prefill attention"),
+             "later": (("paged_decode_kernel", "store_kv", "batch_slot_mapping", "attention_metadata"),
+                       "tokens after the first come from decode steps: your kernel (3.6 without triton) "
+                       "over the slots your 3.1 chose")},
+    "ch04": {"prefix-hit tokens": (("count_cached_tokens", "admit_prompts", "PrefixCachingAllocator.free"),
+                                   "how many tokens hit is your lookup's answer, at admission"),
+             "blocks in use": (("PrefixCachingAllocator.free", "admit_prompts"),
+                               "blocks in use change when your free keeps them or admission takes them"),
+             "preemptions": (("PrefixCachingAllocator.free", "admit_prompts"),
+                             "a pool that runs out early has blocks your free did not give back"),
+             "first": (("prefix_block_hashes", "count_cached_tokens", "admit_prompts"),
+                       "a prompt read another prefix's K/V: a hash that does not chain the whole prefix, or "
+                       "a full hit that does not recompute the last token"),
+             "other": (("admit_prompts",), "a step's sequences and token counts are admission's choice")},
+    "ch05": {"preemptions": (("preempt_until_fits", "schedule"), "preemption is 5.1's, called by 5.2"),
+             "blocks in use": (("preempt_until_fits", "schedule"), "blocks are taken and given back there"),
+             "first": (("sample", "process_logits"), "same schedule, other tokens: the sampler (greedy)"),
+             "later": (("sample", "process_logits"), "same schedule, other tokens: the sampler (greedy)"),
+             "other": (("schedule", "preempt_until_fits"), "a step's sequences and token counts are 5.2's")},
+    "ch06": {"later": (("load_static", "StandInGraphs.replay", "pick_bucket", "graph_buckets"),
+                       "decode steps replay your graphs: a padding row that writes, or a stale static input"),
+             "other": (("pick_bucket", "StandInGraphs.replay"), "the steps your graphs replay")},
+    "ch07": {"first": (("shard_merged_rows", "row_parallel_forward", "column_parallel_forward",
+                        "vocab_parallel_embedding_forward"),
+                       "every token runs through your shards and collectives on both ranks")},
+    "ch09": {"decode tokens": (("propose_ngram",), "a decode step's tokens include the drafts proposed"),
+             "blocks in use": (("rollback_blocks",), "rejected drafts' blocks are given back by your 9.4"),
+             "later": (("accept_greedy", "propose_ngram"),
+                       "a token that differs after drafting is a draft kept that the model did not choose"),
+             "other": (("accept_greedy", "propose_ngram", "rollback_blocks"),
+                       "accepted drafts decide how far each step moves")},
+    "ch10": {"first": (("route", "grouped_experts"),
+                       "every token of every MoE layer is routed by your 10.1 and computed by your 10.2")},
+}
+_TOKEN_DIFF = re.compile(r"generated token (\d+) differs")
+# what a failed capstone row says -> the symptom it is; a row may name several, read in their order
+_SYMPTOMS = (("prefix-hit tokens", "prefix-hit tokens"), ("preemptions", "preemptions"),
+             ("blocks in use", "blocks in use"), ("blocks of a pool", "blocks in use"),
+             ("still held", "blocks in use"), ("decode tokens", "decode tokens"),
+             ("prefill tokens", "prefill tokens"), ("sequences", "sequences"), ("over the budget", "other"),
+             (" steps", "other"))
+
+
+def _exercise_numbers(impl_dir: Path, chapter: str) -> dict[str, str]:
+    """Function (or "Class.method") -> its exercise ("4.3"), from the docstrings of the chapter file."""
+    numbers: dict[str, str] = {}
+    for path in sorted(impl_dir.glob(f"{chapter}_*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            inner = [(f"{node.name}.{n.name}", n) for n in getattr(node, "body", [])
+                     if isinstance(node, ast.ClassDef) and isinstance(n, ast.FunctionDef)]
+            for name, fn in [(getattr(node, "name", ""), node), *inner]:
+                if isinstance(fn, (ast.FunctionDef, ast.ClassDef)):
+                    m = _STUB.match(ast.get_docstring(fn) or "")
+                    if m:
+                        numbers.setdefault(name, m.group(1))
+    return numbers
+
+
+def suspect(chapter: str, detail: str, impl_dir: Path) -> str:
+    """The pieces most likely at fault for a capstone row that failed (`detail`), most likely first, and why;
+    "" when the detail already names an exercise (a piece that raised) or the chapter has no rule."""
+    if re.search(r"Exercise \d+\.\d+", detail):
+        return ""
+    token = _TOKEN_DIFF.search(detail)
+    rules = SUSPECTS.get(chapter, {})
+    symptoms = ["first" if token and token.group(1) == "0" else "later"] if token else []
+    if not token:
+        found = sorted((detail.find(phrase), symptom) for phrase, symptom in _SYMPTOMS if phrase in detail)
+        symptoms += [symptom for _, symptom in found]
+    rule = next((rules[s] for s in symptoms if s in rules), None)
+    if rule is None and token:  # a chapter whose pieces run in both: its one rule for tokens
+        rule = rules.get("first" if "later" in symptoms else "later")
+    rule = rule or rules.get("other")
+    if rule is None:
+        return ""
+    numbers = _exercise_numbers(impl_dir, chapter)
+    names = [f"{numbers[n]} ({n})" if n in numbers else n for n in rule[0]]
+    then = f", then {', '.join(names[1:])}" if names[1:] else ""
+    return f"most likely at fault: your {names[0]}{then}: {rule[1]}"
 
 
 _CAPSTONES: dict[tuple, Any] = {}  # source stamps -> the capstone of a chapter whose tests all passed
@@ -297,24 +587,63 @@ def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
         _CAPSTONES.clear()
         _CAPSTONES[key] = capstone(result.chapter, impl_dir)
     result.capstone = _CAPSTONES[key]
+    result.suspects = [suspect(result.chapter, detail, impl_dir) for _, ok, detail in result.capstone.rows
+                       if not ok]
 
 
-def _run_pytest(files: list[Path], impl: str, timeout: float) -> tuple[list[TestResult], str]:
-    """The chapter's tests in a fresh pytest process: (results, error); error is "" when pytest ran."""
+@dataclass
+class _Pytest:
+    """A pytest process started on a chapter's tests, and where its junit file goes."""
+    proc: subprocess.Popen
+    tmp: tempfile.TemporaryDirectory
+    xml: Path
+
+
+def _start_pytest(files: list[Path], impl: str, select: str = "", background: bool = False) -> _Pytest:
+    """Start the chapter's tests (those pytest's -k `select` picks, if given) in a fresh pytest process; a
+    background run has a lower CPU priority, so it does not slow the learner's own work."""
     env = dict(os.environ, **{IMPL_VARIABLE: impl}, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "results.xml"
-        cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
-               "-o", "addopts=", "--tb=line", f"--junitxml={xml}"]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return [], f"the tests took more than {timeout:.0f} s"
-        if not xml.is_file() or proc.returncode not in (0, 1):
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            return (_parse_junit(xml) if xml.is_file() else []), ("pytest exited with code "
-                                                                  f"{proc.returncode}:\n" + "\n".join(tail))
-        return _parse_junit(xml), ""
+    tmp = tempfile.TemporaryDirectory()
+    xml = Path(tmp.name) / "results.xml"
+    cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "--tb=line", f"--junitxml={xml}", *(["-k", select] if select else [])]
+    nice = (lambda: os.nice(10)) if background and hasattr(os, "nice") else None
+    with open(Path(tmp.name) / "output.txt", "w") as out:  # a file, not a pipe: nothing waits on a reader
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nice)
+    return _Pytest(proc, tmp, xml)
+
+
+def _finish_pytest(run: _Pytest, timeout: float) -> tuple[list[TestResult], str]:
+    """Wait for a started run: (results, error); error is "" when pytest ran (selecting no test included)."""
+    try:
+        run.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(run)
+        return [], f"the tests took more than {timeout:.0f} s"
+    try:
+        if not run.xml.is_file() or run.proc.returncode not in (0, 1, 5):  # 5: no test selected
+            output = (run.xml.parent / "output.txt").read_text(errors="replace")
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            return ((_parse_junit(run.xml) if run.xml.is_file() else []),
+                    f"pytest exited with code {run.proc.returncode}:\n{tail}")
+        return _parse_junit(run.xml), ""
+    finally:
+        run.tmp.cleanup()
+
+
+def _stop(run: _Pytest) -> None:
+    """End a run this module started (its own process only) and drop its files."""
+    if run.proc.poll() is None:
+        run.proc.kill()
+    run.proc.wait()
+    run.tmp.cleanup()
+
+
+def _run_pytest(files: list[Path], impl: str, timeout: float,
+                select: str = "") -> tuple[list[TestResult], str]:
+    """The chapter's tests (those pytest's -k `select` picks, if given) in a fresh pytest process: (results,
+    error); error is "" when pytest ran (selecting no test included)."""
+    return _finish_pytest(_start_pytest(files, impl, select), timeout)
 
 
 def check(chapter: str | int, impl: str | None = None) -> ChapterResult:

@@ -11,10 +11,13 @@ Exercise 3.8: paged decode attention as a Triton kernel, which the engine decode
 (`triton_row_softmax` and `triton_paged_decode`, given, launch them.)
 
 A batch is a list of nanoengine ScheduledSeq (seq, num_new_tokens, is_prefill, start): sequence `seq`
-computes positions start .. start + num_new_tokens - 1 this step (`start` is where the step begins: the
-scheduler has already counted the step's tokens in seq.num_computed_tokens when the batch is laid out);
-seq.block_table lists its blocks, and its first seq.num_cached_tokens tokens sit in blocks the prefix cache
-shares (chapter 04).
+computes positions start .. start + num_new_tokens - 1 this step. `start` is where the step begins.
+`Scheduler.schedule()` commits a step before its forward pass: by the time the batch is laid out,
+seq.num_computed_tokens already counts the step's new tokens, so read `start`, not num_computed_tokens.
+seq.block_table lists its blocks. The tests of 3.1 and 3.2 use what this chapter teaches: decodes and whole
+prompts (start 0). Chapter 04 adds prefix hits (the first seq.num_cached_tokens tokens sit in blocks the
+prefix cache shares) and chapter 05 chunked prompts (a chunk starts after its earlier chunks); the rules
+below already cover both, and the chapter's capstone runs them.
 
 Cache layout per layer in these exercises: k_cache, v_cache [num_blocks, block_size, KVH, D]. Slot
 s = block_id * block_size + offset is row s of the cache viewed as [num_blocks * block_size, KVH, D].
@@ -48,10 +51,11 @@ from nanoengine.attention import AttentionMetadata  # the attention backends' in
 def batch_slot_mapping(scheduled: list[Any], block_size: int) -> list[int]:
     """Exercise 3.1: the cache slot of every new token of a batch, in the flat batch's row order.
 
-    Rows: first every sequence with one new token (the decodes), then every sequence with more (the prefill
-    chunks), each group in the batch's order; within a sequence, its positions in order. Position p of a
-    sequence goes to slot block_table[p // block_size] * block_size + p % block_size, or -1 when
-    p < seq.num_cached_tokens (a prefix-cache block already holds its K/V: do not write it).
+    Rows: first every sequence with one new token (the decodes, and a one-token prompt), then every sequence
+    with more (the prompts), each group in the batch's order; within a sequence, its positions in order from
+    s.start. Position p of a sequence goes to slot block_table[p // block_size] * block_size + p % block_size.
+    One more rule, for chapter 04's prefix hits: -1 when p < seq.num_cached_tokens (a shared prefix-cache
+    block already holds its K/V: do not write it).
     """
     # BEGIN SOLUTION
     slots = []
@@ -73,9 +77,10 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
     num_decode_seqs; decode_block_tables [num_decodes, max_blocks] int64, each row the sequence's block table
     padded to the longest one (the padding is never read: any block id does; nanoengine uses 0);
     decode_context_lens [num_decodes] int64, the tokens each attends over, the new one included (None and
-    None when there are no decodes). The prefill chunks, as lists in row
-    order: prefill_query_starts (the chunk's first row in the flat batch), prefill_query_lens (its new
-    tokens), prefill_context_lens (cached prefix + new tokens), prefill_block_tables (an int64 tensor each).
+    None when there are no decodes). The prompts (prefill chunks: chapter 05 splits a long prompt over steps),
+    as lists in row order: prefill_query_starts (the chunk's first row in the flat batch), prefill_query_lens
+    (its new tokens), prefill_context_lens (the tokens before the chunk + its new ones: s.start +
+    num_new_tokens), prefill_block_tables (an int64 tensor each).
     """
     # BEGIN SOLUTION
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
