@@ -42,11 +42,14 @@ MAX_TOKENS = 16
 # options the engine runs with on both sides: ch07's two ranks; ch09's speculation (its reference runs the
 # engine's own proposer with the same options, and its greedy text must also equal the engine's without it;
 # row_cost fixed: with the measured cost, which steps draft would depend on each run's timing)
-CHAPTER_OPTIONS = {"ch07": dict(tensor_parallel_size=2),
+# ch03's pieces meet only what chapter 03 teaches: whole prompts (a budget no prompt is chunked by) and no
+# prefix cache (chapter 04), on both sides
+CHAPTER_OPTIONS = {"ch03": dict(enable_prefix_caching=False, max_num_batched_tokens=256),
+                   "ch07": dict(tensor_parallel_size=2),
                    "ch09": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                     "row_cost": 0.15})}
 # options the reference run takes too (tensor parallelism gives the same tokens as one rank: not these)
-REFERENCE_OPTIONS = ("speculative_config",)
+REFERENCE_OPTIONS = ("speculative_config", "enable_prefix_caching", "max_num_batched_tokens")
 # ch10's pieces run only in a mixture-of-experts model's layers
 CHAPTER_MODELS = {"ch07": ("tiny-qwen3",), "ch10": ("tiny-qwen3-moe",)}
 # chapter 03 decodes with the learner's Triton kernel (3.8), which without a GPU runs in Triton's interpreter
@@ -106,7 +109,7 @@ def run_workload(model: str, **options) -> tuple[list[list[int]], list[tuple], o
     """(token ids per prompt, the per-step schedule, the LLM) of the fixed workload."""
     from nanoengine import LLM, SamplingParams
 
-    with LLM(model, **WORKLOAD, **options) as llm:  # closing stops tensor-parallel workers
+    with LLM(model, **{**WORKLOAD, **options}) as llm:  # closing stops tensor-parallel workers
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)
     steps = [(s.num_seqs, s.prefill_tokens, s.decode_tokens, s.used_blocks, s.cache_hit_tokens,
@@ -149,7 +152,7 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
             return False, (f"same text, but no draft was accepted ({counts.proposed} proposed): your "
                            "Exercise 9.1 or 9.2 keeps nothing")
         spec_note = f", {counts.accepted} of {counts.proposed} drafts accepted"
-    problem = outcome_problem(got_steps, want_steps, llm)
+    problem = outcome_problem(got_steps, want_steps, llm, {**WORKLOAD, **options}["max_num_batched_tokens"])
     if problem:
         return False, f"same text, but {problem}"
     hits = sum(st[4] for st in got_steps)
@@ -159,12 +162,12 @@ def compare(model: str, chapter: str, exercises_dir: Path) -> tuple[bool, str]:
                   f"preemptions{spec_note})")
 
 
-def outcome_problem(got_steps: list[tuple], want_steps: list[tuple], llm) -> str | None:
+def outcome_problem(got_steps: list[tuple], want_steps: list[tuple], llm, budget: int) -> str | None:
     """What the run's outcomes get wrong, judged on behaviour (the text is already equal), or None: no step
     over the token budget or the KV pool, every block back at the end, the prefix cache hitting when the
     engine's does, and no more steps than half again the engine's plus 4. Not the engine's step-by-step
     schedule: another valid policy (another victim, another freeing order) passes."""
-    budget, pool = WORKLOAD["max_num_batched_tokens"], WORKLOAD["num_kvcache_blocks"]
+    pool = WORKLOAD["num_kvcache_blocks"]
     for s, (_, prefill, decode, used, _, _) in enumerate(got_steps):
         if prefill + decode > budget:
             return f"step {s} computed {prefill + decode} tokens, over the budget of {budget}"
