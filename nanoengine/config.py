@@ -25,9 +25,11 @@ BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # how admission treats a waiting request whose blocks do not fit (chapter 05): "fcfs" stops there, as vLLM v1
 # does; "skip_ahead" tries up to SKIP_AHEAD_LIMIT later ones per step (they may fit; the first may starve)
 SCHEDULING_POLICIES = ("fcfs", "skip_ahead")
-# weight-only quantization at load time (vLLM's option name; chapter 08): "int8", symmetric, per-group scales
-# (nanoengine/layers/quant.py); None keeps the checkpoint's weights
-QUANTIZATIONS = (None, "int8")
+# quantization at load time (vLLM's option name; chapter 08): "int8", weight-only, symmetric, per-group
+# scales; "w8a8", the same int8 weights times activations quantized per row and group of 32 on the fly (int8
+# dot products; named after vLLM's and llm-compressor's W8A8 int8 scheme) (nanoengine/layers/quant.py); None
+# keeps the checkpoint's weights
+QUANTIZATIONS = (None, "int8", "w8a8")
 # the KV cache's element type (vLLM's `kv_cache_dtype`): "auto" = the model's compute dtype; "bfloat16" (or
 # vLLM's spelling "bf16") stores K/V rounded to bf16, half the bytes of a float32 cache (nanoengine/plan.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")

@@ -31,7 +31,9 @@ checked, and an option that cannot work here is an error saying why and what wou
   like the dtype); else they stay float32, with a warning saying so;
 - torch.compile of the small fused ops and the sampler (default: on CUDA only);
 - weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
-  W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel.
+  W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel;
+  quantization="w8a8": the same int8 weights times int8 activations, every batch (prefill too) through the
+  int8 dot-product kernel (`quant.ALL_ROWS`).
 A mixture-of-experts checkpoint (chapter 10) has its MoE fields checked here, before anything is built, and
 runs what its torch expert forward can (`check_moe`): tensor parallelism of every expert, or with
 enable_expert_parallel whole experts per rank (the sizes must divide evenly; a dense model refuses the
@@ -60,7 +62,7 @@ from nanoengine.dtype_choice import DtypeChoice
 from nanoengine.errors import InvalidValueError
 from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.kernels import triton_support
-from nanoengine.layers import linear
+from nanoengine.layers import linear, quant
 from nanoengine.models import hf_config as shapes
 from nanoengine.pieces import NO_PIECES, PieceSelection
 
@@ -134,7 +136,8 @@ class EnginePlan:
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
     prefill_dtype: str  # what larger batches' linears compute in: dtype, or "bfloat16" (pick_prefill_dtype)
-    quantization: str  # "int8": weight-only int8 linears and LM head (layers/quant.py); "none": off
+    # "int8": weight-only int8 linears and LM head; "w8a8": int8 activations too (layers/quant.py); "none"
+    quantization: str
     int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
     tensor_parallel_size: int
     enable_expert_parallel: bool  # an MoE model's ranks hold whole experts (layers/moe.py)
@@ -462,13 +465,16 @@ def bf16_weight_rows(device: str, backend: str, dtype: str, prepack: bool, hf_co
 def int8_weight_rows(quantization: str | None, prepack: bool) -> int:
     """Rows up to which linears multiply their int8 copies (0: no quantization): fewer where oneDNN's packed
     bf16 matmul takes the larger batches (see INT8_WEIGHT_MAX_ROWS)."""
+    if quantization == "w8a8":
+        return quant.ALL_ROWS  # every batch: the activations are quantized at every size
     if quantization != "int8":
         return 0
     return INT8_WEIGHT_MAX_ROWS_ONEDNN if prepack else INT8_WEIGHT_MAX_ROWS
 
 
 def check_quantization(quantization: str | None, device: str) -> None:
-    """quantization="int8" runs the C++ int8 kernel: on CPU, where the kernels are built or can be built."""
+    """quantization="int8" (or "w8a8") runs the C++ int8 kernel: on CPU, where the kernels are built or can be
+    built."""
     if quantization is None:
         return
     if device != "cpu":

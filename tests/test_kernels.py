@@ -160,40 +160,91 @@ def test_cpu_kernel_rejects_bad_input(cpu_kernels):
                                  torch.ones(1, dtype=torch.long), 1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 13, 32])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539), (24, 8)])
+BF16_PATHS = ("avx512bf16", "avx512", "avx2", "plain")
+
+
+def bf16_paths_built(kernels) -> list[str]:
+    """The bf16_linear paths this build has (the plain loops always; AVX2, AVX-512, AVX512-BF16 where
+    compiled): each packed for itself and run once."""
+    built = []
+    for path in BF16_PATHS:
+        try:
+            packed = kernels.bf16_pack(torch.zeros(16, 4), path)
+            kernels.bf16_linear(torch.zeros(1, 4), packed, None, 16, path)
+            built.append(path)
+        except RuntimeError as e:
+            assert "not in this build" in str(e)
+    return built
+
+
+def test_bf16_paths_follow_the_cpu_and_auto_runs_the_best_widening_path(kernels):
+    from nanoengine.kernels import cpu as cpu_kernels
+
+    built = bf16_paths_built(kernels)
+    native = any(f in cpu_kernels.chosen_flags() for f in ("-march=native", "-mcpu=native"))
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    assert "plain" in built
+    if native and capability.startswith("AVX"):
+        assert "avx2" in built
+    if native and capability == "AVX512":
+        assert "avx512" in built and kernels.bf16_best_path() == "avx512"
+    assert set(kernels.simd_paths()) >= set(built) - {"plain"}
+    # "auto" packs for the best path and never picks the dot-product path (slower where measured)
+    assert kernels.bf16_best_path() in built and kernels.bf16_best_path() != "avx512bf16"
+    want_dims = 4 if kernels.bf16_best_path() == "avx512" else 3
+    assert kernels.bf16_pack(torch.zeros(16, 4)).dim() == want_dims
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 32])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 40), (6, 1539), (24, 8), (40, 7)])
 def test_bf16_linear_equals_the_float32_linear_of_its_weights(kernels, rows, out_features, in_features):
-    """bf16 weights (packed by bf16_pack) widened to float32, float32 sums: the float32 linear of the same
-    (bf16-valued) weights, up to the order of the sums; partial blocks of weight rows, an odd number of
-    blocks, columns past a multiple of 4, and every row tile of 2..15 rows (13 = 5 + 4 + 4) included."""
+    """Every path this build has, each on its layout ([blocks, K, 8]; pairs [blocks, K2, 16, 2]): bf16
+    weights, float32 sums, the float64 linear of the same (bf16-valued) weights, up to the order of the sums;
+    the dot-product path (AVX512-BF16) within its documented rounding of x (x = hi + lo, two bf16 parts:
+    under 2^-16 of |x|). Partial blocks, an odd K, columns past a multiple of 4, every row tile included."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
     want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    packed = kernels.bf16_pack(weight)
-    assert packed.shape == (-(-out_features // 8), in_features, 8)
-    got = kernels.bf16_linear(x, packed, bias, out_features)
-    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-    # bf16 activations: one rounding of the float32 result, as a bf16 matmul rounds its output
-    got_bf16 = kernels.bf16_linear(x.bfloat16(), packed, None, out_features)
-    want_bf16 = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).bfloat16()
-    assert got_bf16.dtype == torch.bfloat16
-    differ = (got_bf16 != want_bf16).float().mean().item()
-    assert differ < 0.02, f"{differ:.1%} of the bf16 outputs differ (sum order can flip a rounding, rarely)"
-    torch.testing.assert_close(got_bf16.float(), want_bf16.float(), rtol=1 / 128, atol=1e-3)
+    magnitude = torch.nn.functional.linear(x.double().abs(), weight.double().abs())  # [rows, out]
+    for path in bf16_paths_built(kernels):
+        packed = kernels.bf16_pack(weight, path)
+        if path.startswith("avx512"):
+            assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+        else:
+            assert packed.shape == (-(-out_features // 8), in_features, 8)
+        got = kernels.bf16_linear(x, packed, bias, out_features, path)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        err = (got.double() - want).abs()
+        bound = (2.0**-15 if path == "avx512bf16" else 2.0**-20) * magnitude + 1e-5
+        assert (err <= bound).all(), f"path {path}: {(err - bound).max().item():.3g} over the bound"
+        # bf16 activations: one rounding of the float32 result, as a bf16 matmul rounds its output
+        got_bf16 = kernels.bf16_linear(x.bfloat16(), packed, None, out_features, path)
+        want_bf16 = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).bfloat16()
+        assert got_bf16.dtype == torch.bfloat16
+        differ = (got_bf16 != want_bf16).float().mean().item()
+        assert differ < 0.03, f"path {path}: {differ:.1%} of the bf16 outputs differ (sum order flips few)"
+        torch.testing.assert_close(got_bf16.float(), want_bf16.float(), rtol=1 / 128, atol=1e-3)
 
 
 def test_bf16_linear_rejects_bad_input(kernels):
-    packed = kernels.bf16_pack(torch.zeros(4, 8))
+    packed = kernels.bf16_pack(torch.zeros(4, 8), "plain")
     with pytest.raises(RuntimeError, match="packed by bf16_pack"):
         kernels.bf16_linear(torch.zeros(1, 8), torch.zeros(4, 8).bfloat16(), None, 4)
     with pytest.raises(RuntimeError, match="same K"):
         kernels.bf16_linear(torch.zeros(1, 16), packed, None, 4)
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.bf16_linear(torch.zeros(1, 8), packed, None, 9)
-
+    with pytest.raises(RuntimeError, match="path must be"):
+        kernels.bf16_linear(torch.zeros(1, 8), packed, None, 4, "avx1024")
+    built = bf16_paths_built(kernels)
+    if "avx512" in built:  # a path reads its own layout: the error names the pack that fits
+        with pytest.raises(RuntimeError, match=r"bf16_pack\(weight, 'avx512'\)"):
+            kernels.bf16_linear(torch.zeros(1, 8), packed, None, 4, "avx512")
+    for path in set(BF16_PATHS) - set(built):
+        with pytest.raises(RuntimeError, match="not in this build"):
+            kernels.bf16_pack(torch.zeros(4, 8), path)
 
 
 def test_linears_with_bf16_weights_switch_by_rows_and_refuse_inexact_weights(kernels):
@@ -255,7 +306,8 @@ def decode_step_input(llm, prompts: list[list[int]]):
             for p in prompts]
     while True:
         out = eng.scheduler.schedule()
-        inp, sample_seqs = eng.inputs.build(out.scheduled)
+        built = eng.inputs.build(out.scheduled)
+        inp, sample_seqs = built.inputs, built.sample_seqs
         if inp.is_decode_only:
             for rid in rids:
                 eng.abort(rid)

@@ -82,6 +82,56 @@ def describe(device: str) -> dict:
     return info
 
 
+def kernel_paths(plan) -> dict:
+    """Which instruction paths the run's kernels take (the bench JSON's `kernel_paths`): the C++ kernels'
+    build (its flags, the instruction sets it uses) and, per kind of work the plan gives them, what their
+    path="auto" runs here; the matmuls left to torch are named by what runs them (oneDNN, with AMX where the
+    CPU has it, or torch's float32 GEMM). {} off CPU; {"cpp_kernels": why not} where they are not built."""
+    if plan.device != "cpu":
+        return {}
+    from nanoengine.kernels import cpu as cpu_kernels
+
+    problem = cpu_kernels.build_problem()
+    if problem is not None or not cpu_kernels.is_built():
+        return {"cpp_kernels": f"not built ({problem or 'not yet'})"}
+    kernels = cpu_kernels.load()
+    auto = dict(kernels.auto_paths())
+    cpu_flags = set(cpuinfo_flags())
+    out: dict = {"cpp_flags": list(cpu_kernels.chosen_flags()), "cpp_simd": list(kernels.simd_paths()),
+                 "cpu_has": sorted(cpu_flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                                               "amx_bf16", "amx_int8"})}
+    quant = getattr(plan, "quantization", "none")
+    if quant == "w8a8":
+        out["decode_linears"] = f"w8a8_linear:{auto['w8a8_linear']}"
+        out["prefill_linears"] = f"w8a8_linear:{auto['w8a8_linear']}"
+    elif quant == "int8":
+        out["decode_linears"] = f"int8_linear:{auto['int8_linear']} (<= {plan.int8_weight_rows} rows)"
+    elif plan.bf16_weight_rows:
+        out["decode_linears"] = f"bf16_linear:{auto['bf16_linear']} (<= {plan.bf16_weight_rows} rows)"
+    elif plan.prepack_weights:
+        out["decode_linears"] = "onednn:bf16 (prepacked)"
+    if "prefill_linears" not in out:
+        if plan.prepack_weights:
+            out["prefill_linears"] = "onednn:bf16" + (" (amx)" if "amx_bf16" in cpu_flags else "")
+        elif plan.prefill_dtype == "bfloat16":
+            out["prefill_linears"] = "onednn:bf16 activations" + (" (amx)" if "amx_bf16" in cpu_flags else "")
+        else:
+            out["prefill_linears"] = f"torch:{plan.dtype} matmul"
+    if plan.attention_backend == "cpu":
+        out["decode_attention"] = f"paged_decode:{auto['paged_decode']}"
+    return out
+
+
+def cpuinfo_flags() -> list[str]:
+    """This CPU's instruction-set flags (Linux /proc/cpuinfo); [] elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return []
+    return line.split(":", 1)[1].split() if ":" in line else []
+
+
 def measure(dtype: torch.dtype, device: str) -> dict:
     """The two ceilings, in the units the roofline uses."""
     t0 = time.perf_counter()

@@ -78,11 +78,11 @@ RTX_4070_LAPTOP = Machine("RTX 4070 Laptop GPU (8 GB)", 256.0, 36 * 512 * 2.0, "
 def engine_shape(plan: Any) -> ModelShape:
     """The model's shape as the engine runs it (an `EnginePlan`): its dtype, 2 bytes per linear weight where
     it streams bf16 copies of the linears (a bf16 checkpoint in float32 on CPU), and 1 byte plus its share of
-    a float32 scale with quantization="int8" (layers/quant.py)."""
+    a float32 scale with quantization="int8" or "w8a8" (layers/quant.py)."""
     from nanoengine.layers.quant import GROUP_SIZE
 
     weight_bytes = 2 if plan.bf16_weight_rows else None
-    if getattr(plan, "quantization", None) == "int8":
+    if getattr(plan, "quantization", None) in ("int8", "w8a8"):
         weight_bytes = 1 + 4 / GROUP_SIZE
     return ModelShape.from_hf_config(plan.hf_config, plan.torch_dtype.itemsize, weight_bytes)
 

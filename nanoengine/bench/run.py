@@ -173,7 +173,7 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         # how dtype was decided: given, the one candidate here, or timed (now or before) on this machine
         "dtype_choice": {"dtype": plan.dtype, "source": plan.dtype_source,
                          "ms_per_step": dict(plan.dtype_ms_per_step)},
-        "hardware": hardware.describe(device)}
+        "hardware": hardware.describe(device), "kernel_paths": hardware.kernel_paths(plan)}
     result["ceilings"] = hardware.measure(plan.torch_dtype, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

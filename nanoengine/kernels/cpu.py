@@ -3,12 +3,17 @@
 One C++ extension, one source file per family of kernels: paged decode attention that reads K/V in place
 from the blocks (`decode_attention.cpp`, the `cpu` attention backend), fused (residual +) RMSNorm, rotary
 and SwiGLU for the model's glue, which round where the eager ops round (`glue.cpp`), a small-batch linear
-with bf16 weights (`bf16_linear.cpp`, for decode steps: `layers.linear.use_bf16_weights`), one with int8
-weights and per-group scales (`int8_linear.cpp`, quantization="int8": `layers.quant`), and a decode step's
-decoder layers in one call (`decode_step.cpp`); `module.cpp` binds them, `kernels.h` declares them,
-`simd.h` holds the helpers they share and `linear_tiles.h` the two linears' register tiles. The hot loops
-use AVX2/FMA intrinsics where the compiler targets them (the int8 linear also AVX-512 where it is there),
-and plain loops elsewhere (an arm64 Mac, say). The files are compiled with the C++ compiler torch uses
+with bf16 weights (`bf16_linear.cpp`, and `bf16_pairs.cpp` for its AVX-512 layout; for decode steps:
+`layers.linear.use_bf16_weights`), one with int8 weights and per-group scales (`int8_linear.cpp`,
+quantization="int8": `layers.quant`) and one that also quantizes the activations to int8 (`w8a8_linear.cpp`,
+quantization="w8a8"), and a decode step's decoder layers in one call (`decode_step.cpp`); `module.cpp`
+binds them, `kernels.h` declares them, `simd.h` holds the helpers they share and `linear_tiles.h` the two
+linears' register tiles. The instruction sets are chosen at build time, by what the compiler targets
+(-march=native): AVX2/FMA, AVX-512 (16 lanes), AVX512-BF16 (`vdpbf16ps`) and AVX512-VNNI (`vpdpbusd`), each
+where the CPU has it, and plain loops everywhere (an arm64 Mac, say). A kernel with several paths takes a
+`path` argument ("auto" by default) so that one machine tests every path it can run; `simd_paths()` and
+`auto_paths()` say what this build has and runs (the benchmark's JSON records them).
+The files are compiled with the C++ compiler torch uses
 (`$CXX`, else `c++`; `torch.utils.cpp_extension`) and linked into one library in
 `$NANOENGINE_HOME/kernels/<torch, python, cpu kind, source>/`, once: by `make assets`
 (`python -m nanoengine.kernels`), or at first use with a message saying so. A built library is imported

@@ -37,7 +37,12 @@ is not the default.
 With quantization="int8" (chapter 08), `layers.quant.quantize_weights` gives every linear an int8 copy of its
 weight instead (`use_int8`: the C++ kernel `int8_linear`, half of bf16's bytes), and replaces the weight
 itself by the dequantized values, so that larger batches (prefill), which keep the ordinary matmul, compute
-with the same quantized model.
+with the same quantized model. With quantization="w8a8" the copy is laid out for int8 dot products
+(`w8a8_pack`) and every batch multiplies it, its activations quantized to int8 on the fly (layers/quant.py).
+
+On a CPU with AVX-512, `bf16_pack` lays the bf16 copy out in column pairs of 16-row blocks (one 64-byte line
+per pair), which the kernel widens 16 lanes at a time (`bf16_linear`'s "avx512" path; kernels/csrc/
+bf16_linear.cpp says why its AVX512-BF16 dot-product path is not the default).
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class PackableLinear(nn.Linear):
 
     def use_bf16(self, kernels: Any, max_rows: int) -> None:
         """Multiply batches of up to max_rows rows with a bf16 copy of the weight (the C++ `bf16_linear`)."""
-        self.bf16_weight = kernels.bf16_pack(self.weight.detach())  # [ceil(out / 8), in, 8]
+        # [ceil(out / 8), in, 8], or with AVX-512 [ceil(out / 16), ceil(in / 2), 16, 2]
+        self.bf16_weight = kernels.bf16_pack(self.weight.detach())
         self.bf16_max_rows, self.kernels = max_rows, kernels
 
     def use_bf16_prefill(self) -> None:
@@ -105,11 +111,13 @@ class PackableLinear(nn.Linear):
         self.bf16_prefill_weight = self.weight.detach().bfloat16()  # [out, in]
 
     def use_int8(self, kernels: Any, q: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 max_rows: int) -> None:
+                 max_rows: int, activations: bool = False) -> None:
         """Multiply batches of up to max_rows rows with int8 weights q [out, in] and their scales [out,
-        groups] (the C++ `int8_linear`; layers.quant makes them)."""
-        # [ceil(out / 16), in, 16] int8 and [ceil(out / 16), groups, 16] float32
-        self.int8_weight, self.int8_scales = kernels.int8_pack(q, scales)
+        groups] (the C++ `int8_linear`; layers.quant makes them); activations: int8 activations too (W8A8)."""
+        if activations:  # [ceil(out / 16), ceil(in / 4), 16, 4] int8, [ceil(out / 16), groups, 2, 16] float32
+            self.int8_weight, self.int8_scales = kernels.w8a8_pack(q, scales, group_size)
+        else:  # [ceil(out / 16), in, 16] int8 and [ceil(out / 16), groups, 16] float32
+            self.int8_weight, self.int8_scales = kernels.int8_pack(q, scales)
         self.int8_group_size, self.int8_max_rows, self.kernels = group_size, max_rows, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]

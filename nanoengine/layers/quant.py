@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization of the linears and the LM head (`quantization="int8"`). Chapter 08.
+"""int8 quantization of the linears and the LM head: weight-only (`quantization="int8"`) or with int8
+activations too (`quantization="w8a8"`). Chapter 08.
 
 Symmetric int8 with one float32 scale per output row and group of `group_size` input columns:
 
@@ -18,6 +19,14 @@ shard, after loading), gives each an int8 copy for batches of up to max_rows row
 layers.linear.PackableLinear.use_int8), and replaces the weight by its dequantized values, so that larger
 batches (prefill, through the ordinary matmul) run the same quantized model. A tied LM head gets its own
 dequantized weight: the embedding keeps the checkpoint's rows.
+
+W8A8 (`quantization="w8a8"`; `quantize_weights(..., max_rows=ALL_ROWS)`): the same int8 weights, laid out for
+int8 dot products (`w8a8_pack`), and every batch, prefill included, goes through them: the kernel quantizes
+each row of x per group of `group_size` columns as the weights are quantized (Q8_0's activations: scale =
+max |x| / 127 over the group, xq = round(x * 127 / max |x|)), multiplies int8 by int8 into exact int32 sums
+(AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, or plain loops), and scales each group's sum by both scales. The
+rounding of the activations is the price (chapter 08 measures it); the gain is a quarter of float32's bytes
+per weight and 64 multiply-adds per instruction.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from torch import nn
 from nanoengine.errors import InvalidValueError
 
 GROUP_SIZE = 32  # input columns per scale (see the module docstring)
+# max_rows of quantization="w8a8": every batch through the int8 kernel (the plan's int8_weight_rows), which is
+# what asks for the W8A8 layout (the runner passes the plan's rows)
+ALL_ROWS = 1 << 30
 INT8_MAX = 127  # symmetric: [-127, 127]
 
 
@@ -61,15 +73,22 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int = GRO
     return q.float() * scales.repeat_interleave(group_size, dim=1)[:, :q.shape[1]]
 
 
-def quantize_weights(model: nn.Module, kernels: Any, max_rows: int, group_size: int = GROUP_SIZE) -> int:
-    """Quantize every PackableLinear of a loaded model (see the module docstring); returns how many."""
+def quantize_weights(model: nn.Module, kernels: Any, max_rows: int, group_size: int = GROUP_SIZE,
+                     activations: bool | None = None) -> int:
+    """Quantize every PackableLinear of a loaded model (see the module docstring); returns how many.
+    activations: int8 activations too (W8A8); None: where max_rows is ALL_ROWS."""
     from nanoengine.layers.linear import PackableLinear
 
+    if activations is None:
+        activations = max_rows >= ALL_ROWS
+    if activations and group_size % 4:
+        raise InvalidValueError(f"quantize_weights: W8A8 takes 4 columns per int8 dot product, so group_size "
+                                f"must be a multiple of 4, got {group_size}; use GROUP_SIZE ({GROUP_SIZE})")
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
     for m in layers:
         weight = m.weight.detach()
         q, scales = quantize_int8(weight, group_size)
         # its own parameter: a tied LM head leaves the embedding's rows as they are
         m.weight = nn.Parameter(dequantize_int8(q, scales, group_size).to(weight.dtype), requires_grad=False)
-        m.use_int8(kernels, q, scales, group_size, max_rows)
+        m.use_int8(kernels, q, scales, group_size, max_rows, activations)
     return len(layers)

@@ -1,6 +1,6 @@
 """The weight copies an EnginePlan chose for CPU, made on one rank's shards once they are loaded. Chapter 08.
 
-int8 copies (weight-only quantization; the weights themselves then hold the dequantized values),
+int8 copies (weight-only, or with int8 activations: W8A8; the weights then hold the dequantized values),
 oneDNN-prepacked
 weights, bf16 copies for small batches (the C++ extension's bf16_linear), and bf16 matmuls for prefill-sized
 batches (`prefill_dtype`). The plan decides which (plan.py, dtype_choice.py measures); the layers hold the
@@ -20,7 +20,8 @@ from nanoengine.plan import EnginePlan
 def prepare_weights(model: torch.nn.Module, plan: EnginePlan) -> None:
     """Give `model`'s layers the copies `plan` asks for (none on a plain plan)."""
     if plan.int8_weight_rows:
-        quantize_weights(model, cpu_kernels.load(), plan.int8_weight_rows)
+        quantize_weights(model, cpu_kernels.load(), plan.int8_weight_rows,
+                         activations=plan.quantization == "w8a8")  # (int8 activations too: W8A8)
     if plan.prepack_weights:
         prepack_weights(model)
     if plan.bf16_weight_rows:

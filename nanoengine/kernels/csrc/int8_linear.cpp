@@ -19,6 +19,7 @@
 //   bf16_linear's layout, and the float register tiles (linear_tiles.h `few_rows`) multiply every row of x by
 //   it (measured on an AVX2 EPYC: the passes above were faster up to 32 rows, about even at 64-128; with
 //   AVX-512 the passes stay faster up to 32 rows).
+// A weight laid out by `w8a8_pack` (4 dimensions) is multiplied with int8 activations instead (w8a8_linear.cpp).
 // `path` picks the code: "auto" (the widest this build has), "avx512", "avx2" (where the build has them) or
 // "plain" (the loops a CPU without AVX2 runs), so that one machine tests every path (tests/test_kernels.py).
 #include "kernels.h"
@@ -289,6 +290,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const std::string& path) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
               "int8_linear: CPU tensors only");
+  if (packed.dim() == 4) return w8a8_linear(x, packed, scales, bias, N, group_size, path);  // w8a8_pack-ed
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == kRows16,
               "int8_linear: an int8 weight packed by int8_pack");

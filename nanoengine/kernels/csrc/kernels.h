@@ -1,6 +1,7 @@
 // nanoengine's CPU kernels (chapter 06): what the family files define and module.cpp binds to Python.
 // decode_attention.cpp: paged_decode; glue.cpp: rms_norm, rotary, silu_and_mul; bf16_linear.cpp: bf16_pack,
-// bf16_linear; int8_linear.cpp: int8_pack, int8_linear; decode_step.cpp: Linear, DecodeLayer, decode_layers.
+// bf16_linear (bf16_pairs.cpp: its AVX-512 layout); int8_linear.cpp: int8_pack, int8_linear (w8a8_linear.cpp:
+// w8a8_pack and its int8-activation paths); decode_step.cpp: Linear, DecodeLayer, decode_layers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,16 +25,28 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
                   const at::Tensor& sin_table);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
-// 3. small-batch linear with bf16 weights: pack a weight [N, K] once, then x [M, K] @ W^T (+ bias)
-at::Tensor bf16_pack(const at::Tensor& weight);
+// 3. small-batch linear with bf16 weights: pack a weight [N, K] once, then x [M, K] @ W^T (+ bias); path:
+// "auto" (the best this build has), "avx512bf16", "avx512", "avx2" or "plain" (bf16_linear.cpp)
+at::Tensor bf16_pack(const at::Tensor& weight, const std::string& path = "auto");
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t N);
+                       int64_t N, const std::string& path = "auto");
+std::string bf16_best_path();  // what "auto" runs for a weight packed with "auto"
+// the pairs layout's paths (bf16_pairs.cpp): packed [ceil(N / 16), ceil(K / 2), 16, 2]; path already checked
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t N, const std::string& path);
 
 // 4. small-batch linear with int8 weights and per-group float32 scales: pack once, then x @ (q * s)^T (+ bias)
 std::vector<at::Tensor> int8_pack(const at::Tensor& q, const at::Tensor& scales);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t N, int64_t group_size,
                        const std::string& path = "auto");
+
+// 4b. int8 weights x int8 activations (W8A8; w8a8_linear.cpp): int8_linear runs it for a w8a8_pack-ed weight;
+// path: "auto", "avx512vnni", "avxvnni", "avx2" or "plain"
+std::vector<at::Tensor> w8a8_pack(const at::Tensor& q, const at::Tensor& scales, int64_t group_size);
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t N, int64_t group_size,
+                       const std::string& path);
 
 // 5. a decode step's decoder layers in one call
 // one projection: an int8_pack-ed copy (int8_linear), else a bf16_pack-ed copy (bf16_linear), else the plain
@@ -46,8 +59,8 @@ struct Linear {
   c10::optional<at::Tensor> int8, int8_scales;  // int8_pack's two tensors
   int64_t group_size = 0;
   at::Tensor operator()(const at::Tensor& x) const {
-    if (int8) return int8_linear(x, *int8, *int8_scales, bias, out_features, group_size);
-    return packed ? bf16_linear(x, *packed, bias, out_features) : at::linear(x, weight, bias);
+    if (int8) return int8_linear(x, *int8, *int8_scales, bias, out_features, group_size, "auto");
+    return packed ? bf16_linear(x, *packed, bias, out_features, "auto") : at::linear(x, weight, bias);
   }
 };
 

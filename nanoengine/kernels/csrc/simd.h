@@ -14,6 +14,23 @@
 #include <immintrin.h>
 #define NANOENGINE_AVX2 1
 #endif
+// AVX-512 (16 floats per register; F + BW), and its dot-product extensions where the compiler targets them:
+// AVX512-BF16 (`vdpbf16ps`: pairs of bf16 products summed into float32) and AVX512-VNNI (`vpdpbusd`: four
+// u8 x s8 products summed into int32). Each kernel that uses them also keeps a plain path (and, where it has
+// one, an AVX2 path) that a `path` argument can force, so one machine tests every path it can run.
+// AVX-VNNI: `vpdpbusd` on 256-bit registers (CPUs with it but without AVX-512's: Alder Lake, for one).
+#if defined(NANOENGINE_AVX2) && defined(__AVXVNNI__)
+#define NANOENGINE_AVXVNNI 1
+#endif
+#if defined(NANOENGINE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define NANOENGINE_AVX512 1
+#if defined(__AVX512BF16__)
+#define NANOENGINE_AVX512BF16 1
+#endif
+#if defined(__AVX512VNNI__)
+#define NANOENGINE_AVX512VNNI 1
+#endif
+#endif
 
 namespace nanoengine {
 
