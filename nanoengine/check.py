@@ -27,6 +27,7 @@ import ast
 import atexit
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -609,7 +610,9 @@ def _start_pytest(files: list[Path], impl: str, select: str = "", background: bo
            "-o", "addopts=", "--tb=line", f"--junitxml={xml}", *(["-k", select] if select else [])]
     nice = (lambda: os.nice(10)) if background and hasattr(os, "nice") else None
     with open(Path(tmp.name) / "output.txt", "w") as out:  # a file, not a pipe: nothing waits on a reader
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nice)
+        # a session of its own: stopping it stops whatever its tests started too (`_stop`)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nice,
+                                start_new_session=hasattr(os, "killpg"))
     return _Pytest(proc, tmp, xml)
 
 
@@ -632,9 +635,13 @@ def _finish_pytest(run: _Pytest, timeout: float) -> tuple[list[TestResult], str]
 
 
 def _stop(run: _Pytest) -> None:
-    """End a run this module started (its own process only) and drop its files."""
-    if run.proc.poll() is None:
-        run.proc.kill()
+    """End a run this module started, with every process its tests started (its session), and drop its
+    files: a stopped run leaves nothing running beside what comes next."""
+    try:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    except (AttributeError, ProcessLookupError, PermissionError):  # (no process groups here, or none left)
+        if run.proc.poll() is None:
+            run.proc.kill()
     run.proc.wait()
     run.tmp.cleanup()
 
