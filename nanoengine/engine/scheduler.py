@@ -287,12 +287,9 @@ class Scheduler:
         return n
 
     def forget(self, steps: list[SchedulerOutput]) -> None:
-        """After a failed (or interrupted) step: the committed steps that never finished (in order) are
-        undone, as if they had never been scheduled. Blocks they put in the prefix cache lose their hashes
-        (their K/V were never written), the sequences they admitted go back to the front of the waiting queue
-        with no blocks, and the others drop their pending tokens and drafts and compute again from where the
-        first of those steps started (nanoengine/engine/pending.py). Their preempted sequences stay
-        preempted: their blocks were written, and recomputing them gives the same tokens."""
+        """After a failed step: the committed, unfinished steps (in order) are undone. Blocks they hashed lose
+        their hashes, the sequences they admitted go back to the front of the queue with no blocks, the others
+        drop pending tokens and drafts (pending.py); preempted ones stay preempted."""
         if not steps:
             return
         bm = self.block_manager
@@ -327,13 +324,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def update(self, out: SchedulerOutput, tokens: list[int]) -> StepUpdate:
-        """The step's tokens are known: for each sequence of `out.sampled`, in order, the model's next token,
-        preceded by the drafts it kept (speculative decoding: the draft source has already cut each one's
-        `spec_token_ids` to those, and `tokens` to its kept tokens, engine/hooks.py). Each one's new tokens
-        take their places (kept drafts' K/V are in the cache: they count as computed), the blocks they
-        complete are cached, and the stop rules apply token by token (a sequence stops at the first: the rest
-        are never appended; its blocks are freed into `out.blocks_freed`). A sequence that finished meanwhile
-        (aborted, or stopped by the token before: overlap) ignores its rows."""
+        """The step's tokens are known: per sequence of `out.sampled`, in order, the drafts it kept (none
+        without speculation: engine/hooks.py) and the model's next token. They take their places (kept drafts
+        count as computed), complete blocks are cached, and the stop rules apply token by token (the rest are
+        never appended; a finished sequence's blocks go to `out.blocks_freed`). A sequence that finished
+        meanwhile (aborted, or stopped by the token before: overlap) ignores its rows."""
         result = StepUpdate()
         bm, finished = self.block_manager, SequenceStatus.FINISHED
         if len(tokens) != len(out.sampled) + out.num_drafts:
@@ -370,8 +365,7 @@ class Scheduler:
         return result
 
     def stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        """(finish reason, the stop token id that caused it) after `token` was appended;
-        (None, None) = go on (the rules: `Sequence.check_stop`)."""
+        """(finish reason, stop token id) after `token` was appended; (None, None): go on (check_stop)."""
         return seq.check_stop(token, self.eos_token_ids, self._max_len)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
@@ -389,8 +383,7 @@ class Scheduler:
         return True
 
     def abort(self, seq: Sequence) -> bool:
-        """Remove an unfinished sequence wherever it is and free its blocks;
-        False if it was already finished."""
+        """Remove an unfinished sequence wherever it is and free its blocks; False if already finished."""
         if seq.is_finished:
             return False
         self._finish(seq, "abort")
