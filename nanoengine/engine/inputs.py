@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -277,12 +276,10 @@ class InputBuilder:
         self.last_sample_seqs = rows.sample_seqs
         lp_rows = torch.tensor(rows.logprob_rows, dtype=torch.int64) if rows.logprob_rows else no_rows()
         # (lp_rows [P]: the prompt-logprob rows)
-        built = partial(BuiltStep, sample_seqs=rows.sample_seqs, prompt_rows=rows.prompt_rows,
-                        prompt_targets=rows.targets)
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
-            return built(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled,
-                                                   rows.prev_sampled, lp_rows)))
+            inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, lp_rows)
+            return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
         host.slots[:n] = rows.slots
         # block tables of the decodes, and their context lengths (the new token included)
         if decodes:
@@ -300,8 +297,8 @@ class InputBuilder:
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
             decode_context_lens=dctx, prefill_query_starts=rows.starts, prefill_query_lens=rows.qlens,
             prefill_context_lens=rows.ctxs, prefill_block_tables=ptables, block_size=block_size)
-        return built(self.to_device(ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled,
-                                               rows.prev_sampled, lp_rows)))
+        inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, lp_rows)
+        return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
         """This step's set of host buffers (the sets take turns), free to overwrite (the copies out of it are
