@@ -198,7 +198,7 @@ def test_a_launcher_world_that_is_not_the_tp_size_is_refused(monkeypatch):
 
 
 def test_a_second_engine_under_a_launcher_is_refused_clearly(monkeypatch):
-    from nanoengine.distributed.workers import LauncherRanks
+    from nanoengine.distributed.launched_ranks import LauncherRanks
 
     for var, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())}.items():

@@ -13,9 +13,9 @@ import pytest
 import torch
 from tp_workload import GREEDY, PROMPTS
 
-from nanoengine.distributed import workers
+from nanoengine.distributed import ranks
 from nanoengine.distributed.channel import Call, to_device
-from nanoengine.distributed.workers import Ranks
+from nanoengine.distributed.ranks import Ranks
 from nanoengine.engine.inputs import InputBuilder, ModelInput, tensors_of
 from nanoengine.engine.scheduler import ScheduledSeq
 from nanoengine.engine.sequence import Sequence
@@ -100,14 +100,14 @@ def test_a_tp_engine_sends_the_host_inputs_not_the_device_ones(monkeypatch):
         return device
 
     sent: list[ModelInput] = []
-    real = workers.to_device
+    real = ranks.to_device
 
     def watched(obj, device, copy=False):  # what Ranks.send reads its message from
         sent.extend(a for a in (obj if isinstance(obj, tuple) else (obj,)) if isinstance(a, ModelInput))
         return real(obj, device, copy)
 
     monkeypatch.setattr(InputBuilder, "to_device", to_separate_device)
-    monkeypatch.setattr(workers, "to_device", watched)
+    monkeypatch.setattr(ranks, "to_device", watched)
     with LLM("tiny-qwen3", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32) as two:
         got = [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want

@@ -103,7 +103,7 @@ def to_device(obj: Any, device: torch.device | str, copy: bool = False) -> Any:
 
 class Channel(ABC):
     """Rank 0 `send`s; a worker `receive`s, `reply`s and `post_error`s (the worker loop sees only this).
-    How rank 0 reads replies and errors back is its `Ranks`' business (workers.py): a pipe's are read beside
+    How rank 0 reads replies and errors back is its `Ranks`' business (ranks.py): a pipe's are read beside
     the worker's exit sentinel, a broadcast channel's are gathered."""
 
     @abstractmethod

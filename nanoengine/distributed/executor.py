@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from nanoengine.distributed.ctrl_c import HOLD_S
+from nanoengine.distributed.launched_ranks import LauncherRanks
 from nanoengine.distributed.launcher import Launched
-from nanoengine.distributed.workers import HOLD_S, LauncherRanks, LocalWorkers
+from nanoengine.distributed.workers import LocalWorkers
 from nanoengine.engine.executor import Executor, call_on
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner

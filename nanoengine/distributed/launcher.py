@@ -3,8 +3,8 @@ MASTER_PORT set by hand (vLLM calls this the external launcher). Chapter 07.
 
 Every rank runs the user's script. `launched()` reads what the launcher told this process (the one place
 that reads those variables); the plan checks that `tensor_parallel_size` equals the launcher's world size.
-The ranks join the launcher's group over its store (`workers.LauncherRanks`), and rank 0 drives them as it
-drives its own workers: it schedules and samples, and every call travels to the others by a
+The ranks join the launcher's group over its store (`launched_ranks.LauncherRanks`), and rank 0 drives them
+as it drives its own workers: it schedules and samples, and every call travels to the others by a
 `torch.distributed` broadcast over a gloo group (`channel.BroadcastChannel`), whether the peer is on this
 machine or another. On ranks 1..N-1, `LLM(...)` never returns: `worker.serve_launched_rank` runs rank 0's
 calls until rank 0 closes, then the process exits with status 0 (so the rest of the script runs on rank 0

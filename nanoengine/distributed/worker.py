@@ -60,7 +60,7 @@ def serve_calls(plan: Any, rank: int, group: Any, channel: Channel, local_rank: 
 
 def serve_launched_rank(plan: Any, launch: launcher.Launched) -> None:
     """Ranks 1..N-1 under a launcher: join the group, serve rank 0's calls until it closes, then exit 0."""
-    from nanoengine.distributed.workers import LauncherRanks
+    from nanoengine.distributed.launched_ranks import LauncherRanks
 
     launcher.exit_soon_when_told(launch.where)
     ranks = LauncherRanks(plan, launch)
