@@ -1,7 +1,7 @@
 """`nanoengine serve`: an OpenAI-compatible HTTP server on the same continuous-batching engine. Chapter 05
 (appendix).
 
-- `protocol.py`: the request and response bodies, in OpenAI's shapes (pydantic);
+- `protocol.py` and `responses.py`: the request and the response bodies, in OpenAI's shapes (pydantic);
 - `async_engine.py`: one background thread steps the `LLMEngine`; handlers submit through a thread-safe queue
   and read their deltas from per-request asyncio queues (`messages.py`: what travels both ways; `faults.py`:
   a failure injected for the tests);

@@ -25,7 +25,8 @@ from nanoengine.outputs import PositionLogprobs
 from nanoengine.parsers import ChatOutputParser, ToolCall, finish_reason, parse_text
 from nanoengine.serve.logprobs import chat_logprobs, completion_logprobs, next_offset
 from nanoengine.serve.messages import Delta, Event, RequestStream
-from nanoengine.serve.protocol import (
+from nanoengine.serve.protocol import CompletionRequest
+from nanoengine.serve.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -34,7 +35,6 @@ from nanoengine.serve.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaFunction,
     DeltaToolCall,

@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanoengine.errors import NanoengineError
 from nanoengine.serve.limits import ServerLimits
 from nanoengine.serve.messages import EngineStepError, ServerBusyError
-from nanoengine.serve.protocol import ErrorInfo, ErrorResponse, ProtocolError
+from nanoengine.serve.protocol import ProtocolError
+from nanoengine.serve.responses import ErrorInfo, ErrorResponse
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there

@@ -18,7 +18,7 @@ OpenAI and vLLM: JSON has no infinity.
 from __future__ import annotations
 
 from nanoengine.outputs import Logprob, PositionLogprobs
-from nanoengine.serve.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from nanoengine.serve.responses import CompletionLogprobs, TokenLogprob, TopLogprob
 
 MIN_LOGPROB = -9999.0  # what -inf becomes
 

@@ -77,12 +77,14 @@ from nanoengine.serve.messages import ChatPrompt, EngineStepError, Event, Reques
 from nanoengine.serve.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
+    ProtocolError,
+)
+from nanoengine.serve.responses import (
+    ChatCompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    ProtocolError,
     ServerInfo,
     Usage,
 )
