@@ -2,15 +2,14 @@
 Chapters 00 and 05.
 
 `add_request` turns a prompt into a Request of n Sequences, each with its Completion. Each `step` is:
-- the scheduler picks the batch and commits it (`Scheduler.schedule`: once before the forward);
-- the input builder lays it out and the executor runs it on every rank and draws its tokens (`launch`);
-- once the tokens are known, the scheduler puts them in place and applies the stop rules (`Scheduler.update`:
-  once after the forward; speculative decoding's verification happens there, nanoengine/spec/), each
-  Completion turns its new tokens into text (stop strings), and the step's numbers are recorded (`finish`).
-`step()` returns the finished step's `StepResult` (engine/step.py). Every decision lives in the component
-that owns it; the loop only calls them in order. With overlap scheduling (chapter 06) a call launches step N+1
-before it finishes step N. An engine is built by `nanoengine.launch.build_engine` (settings -> plan -> parts
--> executor), which `LLM` and the server call.
+- schedule: the scheduler picks the batch and commits it, once, before the forward (`Scheduler.schedule`);
+- launch: the input builder lays it out; the executor runs it on every rank and draws its tokens;
+- finish: once the tokens are known, the scheduler puts them in place and applies the stop rules
+  (`Scheduler.update`), each Completion turns its tokens into text (stop strings), and the step is recorded.
+Extensions enter at declared hooks (engine/hooks.py: drafts, logits masks, step observers), which the loop
+calls without knowing who is behind them. `StepLoop` (at the end) runs one step per call; overlap scheduling
+(chapter 06) swaps in engine/overlap.py's `OverlapLoop`. `nanoengine.launch.build_engine` builds an engine
+(settings -> plan -> parts -> executor) for `LLM` and the server.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.interrupts import held_interrupts
 from nanoengine.engine.logits_masks import chain, min_tokens_mask
 from nanoengine.engine.logprob_outputs import LogprobOutputs
-from nanoengine.engine.overlap import OverlapLoop, StepLoop
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Request, check_token_ids, new_request
 from nanoengine.engine.sampling import SamplingBatcher
@@ -46,6 +44,7 @@ from nanoengine.tokenizer import eos_token_ids
 from nanoengine.trace import RunTrace, StepStats, TraceRecorder
 
 if TYPE_CHECKING:
+    from nanoengine.engine.overlap import OverlapLoop
     from nanoengine.spec.verify import SpecCounts
     from nanoengine.structured import StructuredOutputs
 
@@ -89,7 +88,11 @@ class LLMEngine:
         self._request_ids = count()
         self.step_count = 0  # steps finished
         # one step at a time, or overlap scheduling's loop (a step in flight while the next is scheduled)
-        self.loop: StepLoop | OverlapLoop = (OverlapLoop if plan.async_scheduling else StepLoop)(self)
+        self.loop: StepLoop | OverlapLoop = StepLoop(self)
+        if plan.async_scheduling:  # overlap scheduling (chapter 06) runs the same step in its own loop
+            from nanoengine.engine.overlap import OverlapLoop
+
+            self.loop = OverlapLoop(self)
         self.trace: RunTrace | None = None  # what start_trace records into (its recorder: an observer)
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run (clear_stats)
@@ -203,7 +206,7 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One engine step: schedule -> launch -> finish, and its result. With overlap scheduling
         (`async_scheduling`, chapter 06) a call launches step N+1 and then finishes step N (the first call
-        finishes none): engine/overlap.py's loop. A failed step is undone (`forget_steps`)."""
+        finishes none): engine/overlap.py's `OverlapLoop`. A failed step is undone (`forget_steps`)."""
         return self.loop.step()
 
     def schedule_and_launch(self) -> LaunchedStep:
@@ -379,3 +382,25 @@ class LLMEngine:
             return self.executor.execute(every_row)  # [T, vocab]
         finally:
             self.block_manager.free(seq)
+
+
+class StepLoop:
+    """One step at a time: each call schedules a step, launches it and finishes it."""
+
+    in_flight: LaunchedStep | None = None  # (never one)
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def busy(self) -> bool:
+        return False
+
+    def step(self) -> StepResult:
+        engine = self.engine
+        return engine.finish_or_forget(engine.schedule_and_launch())
+
+    def drain(self) -> StepResult:
+        return StepResult()
+
+    def forget(self) -> None:
+        pass

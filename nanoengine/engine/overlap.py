@@ -1,10 +1,10 @@
-"""The engine's two step loops: one step at a time, and overlap scheduling. Chapters 05 and 06.
+"""Overlap scheduling's step loop (`async_scheduling`). Chapter 06.
 
-`StepLoop` is the core step: schedule -> launch -> finish, one step per call. `OverlapLoop` (chapter 06;
-`async_scheduling`) launches step N+1 before it finishes step N, whose forward ran meanwhile, so the host's
-work for one hides behind the device's for the other (mini-sglang's shape: one object owns the step in flight
-and the error a step deferred). The engine holds one of them (`LLMEngine.loop`), chosen when it is built; its
-`step`, `drain` and `has_unfinished` ask it.
+`OverlapLoop` launches step N+1 before it finishes step N, whose forward ran meanwhile, so the host's work for
+one hides behind the device's for the other (mini-sglang's shape: one object owns the step in flight and the
+error a step deferred). It stands in for the engine's plain `StepLoop` (llm_engine.py: schedule -> launch ->
+finish, one step per call) when the engine is built with overlap; `LLMEngine.step`, `drain` and
+`has_unfinished` ask whichever loop the engine holds (`LLMEngine.loop`).
 
 The rules of the overlap loop:
 - a call launches the next step, then finishes the one in flight; the first call finishes none, and a step
@@ -24,28 +24,6 @@ from nanoengine.engine.step import LaunchedStep, StepResult
 
 if TYPE_CHECKING:
     from nanoengine.engine.llm_engine import LLMEngine
-
-
-class StepLoop:
-    """One step at a time: each call schedules a step, launches it and finishes it."""
-
-    in_flight: LaunchedStep | None = None  # (never one)
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-
-    def busy(self) -> bool:
-        return False
-
-    def step(self) -> StepResult:
-        engine = self.engine
-        return engine.finish_or_forget(engine.schedule_and_launch())
-
-    def drain(self) -> StepResult:
-        return StepResult()
-
-    def forget(self) -> None:
-        pass
 
 
 class OverlapLoop:
