@@ -8,10 +8,12 @@ Exercise 11.3: the rest of the engine protocol: abort, has_unfinished, load, clo
 `nanoengine serve --engine ch11_your_engine:make_engine` and `nanoengine bench --engine ...` take it as they
 take the engine's own. It runs over the engine's model weights and KV cache (`parts`, from
 `nanoengine.pieces.own_engine.model_parts`) and over your chapter 05 pieces (`your_pieces()`: your `schedule`,
-`build_inputs` and `sample`; the engine's own stands in for one that is still a stub). What it needs from the
-engine's package besides: `new_request` (a checked Request: its Sequences and, per completion, a Completion
-that detokenizes incrementally and watches the stop strings, chapter 01's 1.3), and the result types of a
-step (`StepResult`, `TextDelta`, `EngineLoad`).
+`build_inputs` and `sample`; the engine's own stands in for one that is still a stub), and your chapter 01
+incremental detokenizer (`your_detokenizer(tokenizer)`: your Exercise 1.3, which makes each completion's text,
+its streamed deltas and what its stop strings are found in; the engine's stands in while 1.3 is a stub). What
+it needs from the engine's package besides: `new_request` (a checked Request: its Sequences and, per
+completion, a Completion that keeps the text and watches the stop strings), and the result types of a step
+(`StepResult`, `TextDelta`, `EngineLoad`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from nanoengine.engine.request import Request, new_request
 from nanoengine.engine.step import EngineLoad, StepResult, TextDelta
+from nanoengine.pieces.ch01 import your_detokenizer
 from nanoengine.pieces.own_engine import ModelParts, model_parts, your_pieces
 from nanoengine.sampling_params import SamplingParams
 
@@ -40,14 +43,16 @@ class MyEngine:
         tokenizer `parts.tokenizer`, the engine's facts `parts.plan`), the step's token budget, the most
         sequences at once, the KV blocks to use (None: all), the seed of the shared generator.
         What must hold: `self.tokenizer` and `self.plan` are set (the protocol reads them); your chapter 05
-        pieces come from `your_pieces()`; whatever you keep lets `step` find, for each sequence, its request
-        and completion, and for a seeded one its own generator.
+        pieces come from `your_pieces()`, your chapter 01 detokenizer from `your_detokenizer(tokenizer)`;
+        whatever you keep lets `step` find, for each sequence, its request and completion, and for a seeded
+        one its own generator.
         """
         # BEGIN SOLUTION
         self.parts = parts
         self.tokenizer = parts.tokenizer
         self.plan = parts.plan
         self.pieces = your_pieces()
+        self.detokenizer = your_detokenizer(self.tokenizer)
         self.sched = parts.scheduler(max_num_batched_tokens, max_num_seqs, num_blocks)
         self.shared_generator = torch.Generator().manual_seed(seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded completion's generator
@@ -63,7 +68,9 @@ class MyEngine:
         Out: `new_request(prompt, params, self.tokenizer, vocab_size, request_id, block_size, final_only)`'s
         Request, with a fresh request id when none is given (ids must not repeat). What must hold: a bad
         request raises here (new_request checks it), and one your engine cannot run (`self.sched`'s
-        `check_admission`: too long for the pool or the model) raises here too, before anything is queued.
+        `check_admission`: too long for the pool or the model) raises here too, before anything is queued;
+        each completion's text is made by your chapter 01 detokenizer (a Completion reads its `detokenizer`:
+        give it `self.detokenizer(skip_special_tokens)`).
         """
         # BEGIN SOLUTION
         rid = request_id if request_id is not None else f"mine-{next(self.ids)}"
@@ -71,6 +78,8 @@ class MyEngine:
                           self.sched.block_size, final_only)
         for seq in req.seqs:
             self.sched.check_admission(seq)
+        for completion in req.completions:
+            completion.detokenizer = self.detokenizer(completion.params.skip_special_tokens)
         return req
         # END SOLUTION
 

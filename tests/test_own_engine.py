@@ -319,3 +319,164 @@ def test_the_reference_engine_passes_chapter_11s_checks(parts):
     finally:
         sys.path.remove(str(ROOT / "solutions"))
     assert len(check_your_engine(module.MyEngine, parts, seed=11)) == 4
+
+
+# ------------------------------------------------------------- chapter 11: your 1.3, traces, all your pieces
+def stubbed(source: str, name: str) -> str:
+    """`source` with the solution block of function (or method) `name` turned into the untouched stub."""
+    start = source.index(f"def {name}(")
+    begin = source.index("# BEGIN SOLUTION", start)
+    end = source.index("# END SOLUTION", begin) + len("# END SOLUTION")
+    return source[:begin] + 'raise NotImplementedError("Exercise: stub")' + source[end:]
+
+
+def pieces_folder(tmp_path: Path, changes: dict[str, list[tuple[str, str] | str]],
+                  stubs_of: tuple = ()) -> Path:
+    """A folder of chapter files: the reference solutions; for the chapters in `stubs_of` the untouched
+    exercises (every piece a stub); in `changes`, per file stem, names of functions to stub or (old, new)
+    replacements."""
+    folder = tmp_path / "pieces"
+    folder.mkdir(parents=True)
+    for path in sorted((ROOT / "solutions").glob("ch*.py")):
+        chapter = path.name[:4]
+        source = (ROOT / "exercises" / path.name if chapter in stubs_of else path).read_text()
+        for change in changes.get(chapter, []):
+            if isinstance(change, str):
+                source = stubbed(source, change)
+            else:
+                assert change[0] in source, f"{change[0]!r} is no longer in {path}: update this test"
+                source = source.replace(*change)
+        (folder / path.name).write_text(source)
+    return folder
+
+
+def reference_engine():
+    sys.path.insert(0, str(ROOT / "solutions"))
+    try:
+        return importlib.import_module("ch11_your_engine")
+    finally:
+        sys.path.remove(str(ROOT / "solutions"))
+
+
+def test_my_engines_text_deltas_and_stop_strings_come_from_your_1_3(parts, tmp_path, monkeypatch):
+    """A 1.3 of yours that marks each delta shows in MyEngine's text, its streamed deltas and its stop
+    strings; while 1.3 is a stub the engine's detokenizer stands in and the text is the tokens' decoding."""
+    from nanoengine import LLM, SamplingParams
+    from nanoengine.pieces.learner import load
+
+    marked = ("    return new_text[len(prefix_text):], read_offset, len(token_ids)\n",
+              "    return '<' + new_text[len(prefix_text):] + '>', read_offset, len(token_ids)\n")
+    monkeypatch.setenv("NANOENGINE_IMPL", str(pieces_folder(tmp_path, {"ch01": [marked]})))
+    llm = LLM.from_engine(load("ch11", ROOT / "solutions").MyEngine(parts))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text = llm.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0].text
+    deltas = list(llm.stream("Once upon a time", greedy))
+    assert text.startswith("<") and text.endswith(">") and text.count("<") == 6, text
+    assert "".join(deltas) == text and all(d.startswith("<") for d in deltas), (deltas, text)
+    cut = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                          stop=["><"]), use_tqdm=False)[0].outputs[0]
+    assert (cut.text, cut.stop_reason) == (text[:text.index("><")], "><"), cut
+
+    monkeypatch.setenv("NANOENGINE_IMPL", str(ROOT / "exercises"))  # 1.3 a stub: the engine's stands in
+    stand_in = LLM.from_engine(load("ch11", ROOT / "solutions").MyEngine(parts))
+    out = stand_in.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0]
+    assert out.text == parts.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_a_my_engine_that_leaves_out_your_1_3_is_named(parts, tmp_path, monkeypatch):
+    from nanoengine.pieces.your_engine import check_requests
+
+    skip = ("            completion.detokenizer = self.detokenizer(completion.params.skip_special_tokens)\n",
+            "            pass\n")
+    folder = pieces_folder(tmp_path, {"ch11": [skip]})
+    monkeypatch.setenv("NANOENGINE_IMPL", str(folder))
+    from nanoengine.pieces.learner import load
+
+    with pytest.raises(AssertionError, match=r"1.3 is done, yet.*engine's detokenizer.*Exercise 11.1"):
+        check_requests(load("ch11", folder).MyEngine, parts)
+
+
+def test_a_traced_my_engine_records_the_engines_own_trace(parts):
+    """traced(MyEngine) sees each step from outside; where MyEngine schedules as the engine does (the
+    reference pieces), its RunTrace equals LLM(trace=True)'s on the same workload, field by field: with
+    chunked prefills, prefix hits, preemptions (14 KV blocks) and shared blocks freed late."""
+    import random
+
+    from nanoengine import LLM, SamplingParams
+    from nanoengine.pieces.traced import traced
+    from nanoengine.viz import show_timeline
+
+    rng = random.Random(0)
+    shared = [rng.randrange(1000, 30000) for _ in range(40)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(1000, 30000) for _ in range(rng.randint(5, 60))]}
+               for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in prompts]
+    engine = reference_engine().MyEngine(parts, max_num_batched_tokens=32, max_num_seqs=4, num_blocks=14)
+    mine = LLM.from_engine(traced(engine))
+    got = mine.generate(prompts, params, use_tqdm=False)
+    ours = LLM("tiny-qwen3", dtype="float32", num_kvcache_blocks=14, max_num_batched_tokens=32,
+               max_num_seqs=4, trace=True, async_scheduling=False)
+    want = ours.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+    def steps(trace):
+        base = min(trace.prompts)
+        return [([(e.seq_id - base, e.prefill_tokens, e.decode_tokens, e.num_computed_before)
+                  for e in s.scheduled], sorted(s.blocks_allocated), sorted(s.blocks_freed),
+                 [(i - base, h) for i, h in s.cache_hits], [i - base for i in s.preempted],
+                 [i - base for i in s.finished], s.stats.used_blocks, s.stats.num_seqs,
+                 s.stats.prefill_tokens, s.stats.decode_tokens, s.stats.cache_hit_tokens,
+                 {k - base: v for k, v in s.block_tables.items()}, s.ref_counts, s.cached_free_blocks,
+                 s.block_hashes) for s in trace.steps]
+
+    yours, engines = steps(mine.trace), steps(ours.trace)
+    assert sum(len(s[4]) for s in engines) and mine.trace.hit_tokens, "the workload must preempt and hit"
+    assert len(yours) == len(engines)
+    for i, (a, b) in enumerate(zip(yours, engines)):
+        assert a == b, f"step {i}: traced {a}\nthe engine's {b}"
+    assert show_timeline(mine.trace, tokenizer=mine.tokenizer).num_steps == len(engines)
+
+
+def test_all_your_pieces_on_the_reference_answers(monkeypatch):
+    from nanoengine.pieces.all_pieces import YOURS, all_your_pieces
+
+    monkeypatch.setenv("NANOENGINE_IMPL", str(ROOT / "solutions"))
+    run = all_your_pieces()
+    assert [r.source for r in run.rows] == [YOURS] * 8, run.table()
+    assert run.same_tokens and "the same tokens and text as the engine's own LLM" in run.table(), run.table()
+    assert "2.1, 2.2, 2.3" in run.table() and "prefix-hit tokens" in run.table()
+
+
+def test_all_your_pieces_says_which_piece_stood_in(tmp_path, monkeypatch):
+    """Your 1.3, one of your 3.x, your 5.3 and your MyEngine.step still stubs: each is reported as stood in
+    (and MyEngine's by the reference's), every other piece as yours, and the tokens are the engine's."""
+    from nanoengine.pieces.all_pieces import ENGINE, REFERENCE, YOURS, all_your_pieces
+
+    folder = pieces_folder(tmp_path, {"ch01": ["detokenize_incrementally"], "ch03": ["store_kv"],
+                                      "ch05": ["build_inputs"], "ch11": ["step"]})
+    monkeypatch.setenv("NANOENGINE_IMPL", str(folder))
+    run = all_your_pieces()
+    assert {r.exercises: r.source for r in run.rows} == {
+        "1.3": ENGINE, "2.1, 2.2, 2.3": YOURS, "3.3, 3.5, 3.8": ENGINE, "4.1, 4.2, 4.4": YOURS,
+        "5.1, 5.2": YOURS, "5.3": ENGINE, "5.4, 5.5": YOURS, "11.1-11.3": REFERENCE}, run.table()
+    assert "your 3.3 still stub" in run.table() and "your step still stubs" in run.table(), run.table()
+    assert run.same_tokens and run.same_text, run.table()
+
+
+def test_all_your_pieces_catches_tokens_or_text_that_differ(tmp_path, monkeypatch):
+    from nanoengine.pieces.all_pieces import all_your_pieces
+
+    off_by_one = ("        for seq, token in zip(seqs, map(int, tokens)):\n",
+                  "        for seq, token in zip(seqs, (int(t) + 1 for t in tokens)):\n")
+    folder = pieces_folder(tmp_path, {"ch11": [off_by_one]}, stubs_of=("ch02", "ch03", "ch04"))
+    monkeypatch.setenv("NANOENGINE_IMPL", str(folder))
+    run = all_your_pieces()
+    assert not run.same_tokens and "NOT the engine's tokens: prompt 0, token 0" in run.table(), run.table()
+
+    marked = ("    return new_text[len(prefix_text):], read_offset, len(token_ids)\n",
+              "    return '<' + new_text[len(prefix_text):] + '>', read_offset, len(token_ids)\n")
+    monkeypatch.setenv("NANOENGINE_IMPL", str(pieces_folder(tmp_path / "text", {"ch01": [marked]},
+                                                            stubs_of=("ch02", "ch03", "ch04"))))
+    run = all_your_pieces()
+    assert run.same_tokens and "the same tokens, but NOT the engine's text: prompt 0" in run.table(), (
+        run.table())

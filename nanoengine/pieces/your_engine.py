@@ -3,7 +3,8 @@
 `MyEngine` (exercises/ch11_your_engine.py) is driven as `LLM`, the server and the benchmark drive any engine
 (make_request, add, step, abort, has_unfinished, load, close), each run bounded in steps and in time:
 - 11.1: it speaks the protocol (an empty class is told where to start), makes checked requests from text or
-  token ids, refuses one that can never run, and queues them;
+  token ids, refuses one that can never run, gives each completion your chapter 01 detokenizer (once your
+  1.3 is done: `nanoengine.pieces.ch01`), and queues them;
 - 11.2: greedy tokens equal transformers' on text prompts it did not choose, the text is the tokenizer's
   decoding of them, the streamed deltas add up to it, a stop string cuts it ("stop", the string as
   stop_reason), an n = 2 seeded request's first completion equals the same request with n = 1, and the
@@ -18,6 +19,7 @@ import random
 from typing import Any
 
 from nanoengine.engine.protocol import METHODS
+from nanoengine.pieces.ch01 import YourDetokenizer
 from nanoengine.pieces.own_engine import ModelParts, transformers_greedy
 from nanoengine.pieces.schedule_checks import time_limit
 from nanoengine.sampling_params import SamplingParams
@@ -104,9 +106,24 @@ def check_requests(engine_class: type, parts: ModelParts) -> str:
     else:
         raise AssertionError(f"a prompt of {len(too_long)} tokens (max_model_len {parts.plan.max_model_len}) "
                              f"was accepted: make_request must refuse what can never run {where('11.1')}")
+    yours = your_detokenizer_done()
+    if yours and not all(isinstance(c.detokenizer, YourDetokenizer) for c in a.completions + b.completions):
+        raise AssertionError("your Exercise 1.3 is done, yet the completions make_request returns make their "
+                             "text with the engine's detokenizer: give each completion yours, "
+                             "completion.detokenizer = self.detokenizer(skip_special_tokens), with "
+                             f"self.detokenizer = your_detokenizer(self.tokenizer) {where('11.1')}")
     engine.add(a)
     engine.add(b)
-    return "requests made from text and token ids, a too-long one refused, both queued"
+    return ("requests made from text and token ids, a too-long one refused, both queued"
+            + (", each completion's text on your 1.3" if yours else ""))
+
+
+def your_detokenizer_done() -> bool:
+    """Is your Exercise 1.3 done (in the folder your engine takes its pieces from)?"""
+    from nanoengine.pieces import folder_of
+    from nanoengine.pieces.learner import is_stub, load
+
+    return not is_stub(load("ch01", folder_of(None)).detokenize_incrementally)
 
 
 def check_text(engine_class: type, parts: ModelParts, seed: int | None = None) -> str:
