@@ -1,8 +1,9 @@
-# Your exercises for book/02_qwen3_forward.ipynb -- this file is yours to edit.
+# Your exercises for book/02a_layer_parts.ipynb, 02b_layer_and_forward.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch02")`, from nanoengine.check) or: pytest tests/exercises/test_ch02_qwen3_forward.py
 # Generated from solutions/ch02_qwen3_forward.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 02, book/02_qwen3_forward.ipynb: the Qwen3 forward pass from its parts.
+"""Chapter 02, book/02a_layer_parts.ipynb .. 02b_layer_and_forward.ipynb: the Qwen3 forward pass from its
+parts.
 
 Exercise 2.1: RMSNorm.
 Exercise 2.2: rotary position embedding (RoPE), "rotate half" layout.
@@ -31,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x * rsqrt(mean(x^2) + eps), computed in float32, cast back to x's dtype, then times `weight`.
     x [..., dim]; weight [dim]; returns [..., dim].
     """
-    raise NotImplementedError("Exercise 2.1: RMSNorm over the last dimension, computed in float32 - see book/02_qwen3_forward.ipynb")
+    raise NotImplementedError("Exercise 2.1: RMSNorm over the last dimension, computed in float32 - see book/02a_layer_parts.ipynb")
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -41,7 +42,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     position p turns by angle p * theta^(-2i/D): (a, b) -> (a cos - b sin, b cos + a sin). Compute in
     float32 and return x's dtype and shape.
     """
-    raise NotImplementedError("Exercise 2.2: rotate each head's vector by its token's position (RoPE, 'rotate half' layout) - see book/02_qwen3_forward.ipynb")
+    raise NotImplementedError("Exercise 2.2: rotate each head's vector by its token's position (RoPE, 'rotate half' layout) - see book/02a_layer_parts.ipynb")
 
 
 def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     Scores q.k / sqrt(D); token t attends to tokens 0..t; softmax over keys in float32.
     Returns [T, H, D] in q's dtype.
     """
-    raise NotImplementedError("Exercise 2.3: causal attention where groups of query heads share one key/value head - see book/02_qwen3_forward.ipynb")
+    raise NotImplementedError("Exercise 2.3: causal attention where groups of query heads share one key/value head - see book/02a_layer_parts.ipynb")
 
 
 def decoder_layer(layer: Any, x: torch.Tensor, positions: torch.Tensor, config: Any) -> torch.Tensor:
@@ -66,7 +67,7 @@ def decoder_layer(layer: Any, x: torch.Tensor, positions: torch.Tensor, config: 
       h = rms_norm(x); x = x + down_proj(silu(gate_proj(h)) * up_proj(h))
     Use config.num_attention_heads, .num_key_value_heads, .head_dim, .rms_norm_eps and rope_theta(config).
     """
-    raise NotImplementedError("Exercise 2.4: one Qwen3 decoder layer with the weights of a transformers Qwen3DecoderLayer - see book/02_qwen3_forward.ipynb")
+    raise NotImplementedError("Exercise 2.4: one Qwen3 decoder layer with the weights of a transformers Qwen3DecoderLayer - see book/02b_layer_and_forward.ipynb")
 
 
 @torch.inference_mode()
@@ -77,4 +78,4 @@ def qwen3_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     model.model.layers, the final rms_norm (model.model.norm), then the LM head: with tied embeddings
     (config.tie_word_embeddings) the embedding matrix itself, otherwise model.lm_head.weight.
     """
-    raise NotImplementedError("Exercise 2.5: the logits of a transformers Qwen3ForCausalLM, computed with your decoder_layer - see book/02_qwen3_forward.ipynb")
+    raise NotImplementedError("Exercise 2.5: the logits of a transformers Qwen3ForCausalLM, computed with your decoder_layer - see book/02b_layer_and_forward.ipynb")

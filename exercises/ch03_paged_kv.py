@@ -1,8 +1,8 @@
-# Your exercises for book/03_paged_kv.ipynb -- this file is yours to edit.
+# Your exercises for book/03a_paged_blocks.ipynb, 03b_paged_attention.ipynb, 03c_online_softmax.ipynb, 03d_triton_kernel.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch03")`, from nanoengine.check) or: pytest tests/exercises/test_ch03_paged_kv.py
 # Generated from solutions/ch03_paged_kv.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 03, book/03_paged_kv.ipynb: the paged KV cache.
+"""Chapter 03, book/03a_paged_blocks.ipynb .. 03d_triton_kernel.ipynb: the paged KV cache.
 
 Exercise 3.1: the slot mapping of a batch: where each new token's K/V goes in the cache.
 Exercise 3.2: the attention metadata of a batch: decode block tables and context lengths, prefill chunks.
@@ -61,7 +61,7 @@ def batch_slot_mapping(scheduled: list[Any], block_size: int) -> list[int]:
     One more rule, for chapter 04's prefix hits: -1 when p < seq.num_cached_tokens (a shared prefix-cache
     block already holds its K/V: do not write it).
     """
-    raise NotImplementedError("Exercise 3.1: the cache slot of every new token of a batch, in the flat batch's row order - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.1: the cache slot of every new token of a batch, in the flat batch's row order - see book/03a_paged_blocks.ipynb")
 
 
 def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetadata:
@@ -76,7 +76,7 @@ def attention_metadata(scheduled: list[Any], block_size: int) -> AttentionMetada
     (its new tokens), prefill_context_lens (the tokens before the chunk + its new ones: s.start +
     num_new_tokens), prefill_block_tables (an int64 tensor each).
     """
-    raise NotImplementedError("Exercise 3.2: the AttentionMetadata of a batch, as nanoengine's InputBuilder lays it out - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.2: the AttentionMetadata of a batch, as nanoengine's InputBuilder lays it out - see book/03a_paged_blocks.ipynb")
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,7 +87,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     "do not write" (a prefix-cache block already holds the token's K/V, or the row is padding). Nothing else
     in the cache may change.
     """
-    raise NotImplementedError("Exercise 3.3: write token i's key and value into cache slot slots[i], in place - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.3: write token i's key and value into cache slot slots[i], in place - see book/03a_paged_blocks.ipynb")
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,7 +100,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Gather each sequence's K/V from its blocks, then softmax(q.k * scale) over those tokens (float32) and
     weight the values; query head h uses kv head h // (H // KVH). Returns [B, H, D] in q's dtype.
     """
-    raise NotImplementedError("Exercise 3.4: attention of one new query token per sequence over that sequence's cached tokens - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.4: attention of one new query token per sequence over that sequence's cached tokens - see book/03b_paged_attention.ipynb")
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,7 +112,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Query i may see positions 0 .. context_len - q_len + i. Scores in float32, query head h uses kv head
     h // (H // KVH). Returns [q_len, H, D] in q's dtype.
     """
-    raise NotImplementedError("Exercise 3.5: causal attention of a prefill chunk over its sequence's cached prefix and itself - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.5: causal attention of a prefill chunk over its sequence's cached prefix and itself - see book/03b_paged_attention.ipynb")
 
 
 def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -128,7 +128,7 @@ def online_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     -1 (never read them); a sequence with context_lens[b] == 0 (a padding row) gives zeros. Query head h uses
     kv head h // (H // KVH). Returns [B, H, D] in q's dtype.
     """
-    raise NotImplementedError("Exercise 3.6: paged decode attention read in place, one KV block per tile, with an online softmax - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.6: paged decode attention read in place, one KV block per tile, with an online softmax - see book/03c_online_softmax.ipynb")
 
 
 def jit(fn):
@@ -151,7 +151,7 @@ def masked_row_softmax_kernel(x_ptr, out_ptr, n_cols, stride_row, BLOCK: tl.cons
     writes it to out_ptr at the same offsets. Lanes c >= n_cols are padding: mask them in the load and the
     store, and keep them out of the max and the sum.
     """
-    raise NotImplementedError("Exercise 3.7: the softmax of each row of a [rows, n_cols] float32 matrix, one program per row - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.7: the softmax of each row of a [rows, n_cols] float32 matrix, one program per row - see book/03c_online_softmax.ipynb")
 
 
 def triton_row_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     stride_block + slot * stride_slot + kvh * stride_head + d; element (b, h, d) of q or out at q_ptr +
     b * stride_qb + h * stride_qh + d. Write the output in out's dtype; a context of 0 writes zeros.
     """
-    raise NotImplementedError("Exercise 3.8: paged decode attention as a Triton kernel, one program per (sequence, kv head) - see book/03_paged_kv.ipynb")
+    raise NotImplementedError("Exercise 3.8: paged decode attention as a Triton kernel, one program per (sequence, kv head) - see book/03d_triton_kernel.ipynb")
 
 
 def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,20 +1,20 @@
-# Your exercises for book/04_prefix_hashing.ipynb -- this file is yours to edit.
+# Your exercises for book/04a_block_hashes.ipynb, 04b_ref_counts.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch04")`, from nanoengine.check) or: pytest tests/exercises/test_ch04_prefix_hashing.py
 # Generated from solutions/ch04_prefix_hashing.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 04, book/04_prefix_hashing.ipynb: prefix caching with chained block hashes.
+"""Chapter 04, book/04a_block_hashes.ipynb .. 04b_ref_counts.ipynb: prefix caching with chained block hashes.
 
 Exercise 4.1: the chained hash of every full block of a token sequence.
 Exercise 4.2: how many tokens of a new prompt the prefix cache already holds.
 Exercise 4.3: allocate a prompt's blocks, reusing cached blocks (ref counts, revived free blocks).
 Exercise 4.4: free a sequence's blocks, keeping their hashes for later hits (LRU order).
-Exercise 4.5: admit prompts in one step: same-step sharing and last-token recompute.
 
 `block_hash` is given: the exact hash nanoengine uses. It is not a convention you may change: with
 use_exercises=["ch04"] your hashes name blocks in the engine's own prefix cache, beside blocks the engine
 hashed itself, and a different hash would never hit them. 4.1-4.4 build a small model of the engine's
 BlockManager (checked by what it does: hits, cached prefixes, ref counts, the order in which free blocks would
-be evicted; not by which block id holds what); 4.5 drives the engine's own BlockManager.
+be evicted; not by which block id holds what). Admitting a prompt with these pieces (its hits, the last token
+recomputed, same-step sharing) is chapter 05's Exercise 5.0, where the scheduler is taught.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from typing import Any
 
 import xxhash
 
@@ -47,7 +46,7 @@ def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     hash of block i - 1), or block_hash(its tokens, None) for block 0. A last, partial block gets no hash.
     Use the given block_hash: the engine's prefix cache looks your hashes up beside its own.
     """
-    raise NotImplementedError("Exercise 4.1: the chained hash of each full block of `token_ids` - see book/04_prefix_hashing.ipynb")
+    raise NotImplementedError("Exercise 4.1: the chained hash of each full block of `token_ids` - see book/04a_block_hashes.ipynb")
 
 
 def count_cached_tokens(token_ids: list[int], cached: dict[int, list[int]], block_size: int) -> int:
@@ -58,7 +57,7 @@ def count_cached_tokens(token_ids: list[int], cached: dict[int, list[int]], bloc
     equal the block's tokens (a different token list under the same hash is a collision: a miss).
     Stop at the first miss. Return hit blocks * block_size.
     """
-    raise NotImplementedError("Exercise 4.2: how many leading tokens of a new prompt the prefix cache can serve - see book/04_prefix_hashing.ipynb")
+    raise NotImplementedError("Exercise 4.2: how many leading tokens of a new prompt the prefix cache can serve - see book/04a_block_hashes.ipynb")
 
 
 class PrefixCachingAllocator:
@@ -89,7 +88,7 @@ class PrefixCachingAllocator:
         Which free block you take is behaviour, not bookkeeping: it decides which cached prefix is evicted
         (the least recently freed, at the front), and so which later prompts hit.
         """
-        raise NotImplementedError("Exercise 4.3: build the block table of a new prompt and compute it; return (table, hit tokens) - see book/04_prefix_hashing.ipynb")
+        raise NotImplementedError("Exercise 4.3: build the block table of a new prompt and compute it; return (table, hit tokens) - see book/04b_ref_counts.ipynb")
 
     def free(self, block_table: list[int]) -> list[int]:
         """Exercise 4.4: drop one sequence's references to its blocks; return the blocks that became free.
@@ -99,25 +98,4 @@ class PrefixCachingAllocator:
         hash_to_block entry), so a later prompt can still hit them until they are reused. The free list's
         order is the order of eviction; the order of the list you return is yours.
         """
-        raise NotImplementedError("Exercise 4.4: drop one sequence's references to its blocks; return the blocks that became free - see book/04_prefix_hashing.ipynb")
-
-
-def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, int]]:
-    """Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does.
-
-    `bm` is a nanoengine BlockManager, `waiting` new Sequences (empty block tables), in order; `budget` the
-    tokens this step may compute. Admit them in order while budget is left:
-    - a sequence reuses the cached blocks of its leading full blocks (bm.match_prefix) and records the hit
-      tokens in seq.num_cached_tokens;
-    - it computes from there, except that its last prompt token is always computed, even when every block
-      hit: that token's logits give the first output token;
-    - it computes as many of its remaining tokens as the budget allows;
-    - a sequence whose new blocks do not fit leaves nothing behind (no blocks held, its counts 0), and
-      admission stops there: first come, first served, so no later prompt overtakes it;
-    - the blocks a sequence fills this step are in the cache before the next one is admitted
-      (bm.cache_full_blocks), so an identical prompt in the same step shares them.
-    Return [(seq, num_new_tokens)] for the admitted sequences, in order; leave seq.num_computed_tokens at
-    the step's start, as `Scheduler.pick()` does. (`Scheduler.schedule()` then commits the step before the
-    forward pass: the new tokens count as computed from then on, and a step that fails is rolled back.)
-    """
-    raise NotImplementedError("Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does - see book/04_prefix_hashing.ipynb")
+        raise NotImplementedError("Exercise 4.4: drop one sequence's references to its blocks; return the blocks that became free - see book/04b_ref_counts.ipynb")

@@ -1,9 +1,11 @@
-# Your exercises for book/05_continuous_batching.ipynb -- this file is yours to edit.
+# Your exercises for book/05a_admission.ipynb, 05b_scheduling_step.ipynb, 05c_inputs_and_logits.ipynb, 05d_sampling_and_loop.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch05")`, from nanoengine.check) or: pytest tests/exercises/test_ch05_continuous_batching.py
 # Generated from solutions/ch05_continuous_batching.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 05, book/05_continuous_batching.ipynb: continuous batching, the scheduler and the sampler.
+"""Chapter 05, book/05a_admission.ipynb .. 05d_sampling_and_loop.ipynb: continuous batching, the scheduler and
+the sampler.
 
+Exercise 5.0: admit waiting prompts into one step: prefix hits, the last token recomputed, same-step sharing.
 Exercise 5.1: make room in the KV pool by preempting running sequences (your choice of victim).
 Exercise 5.2: one scheduling step under a token budget.
 Exercise 5.3: flatten a scheduled batch into the model's inputs.
@@ -11,7 +13,9 @@ Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
 Exercise 5.5: sample one token per row, each seeded request from its own generator.
 Exercise 5.6: your own engine: the step loop over your pieces (schedule, inputs, forward, sample, update).
 
-5.1 and 5.2 work on the engine's own objects, so your scheduling step can drive the engine: `sched` is a
+5.0 works on the engine's BlockManager, and 5.2 admits prompts by 5.0's rules (with the scheduler's
+bookkeeping around them: the running list, the sequence limit). 5.1 and 5.2 work on the engine's own
+objects, so your scheduling step can drive the engine: `sched` is a
 `nanoengine.engine.scheduler.Scheduler` (its `running` list, oldest first; its `waiting` deque; its
 `block_manager`, with `can_allocate`, `allocate`, `free`, `blocks_needed`, `match_prefix` and
 `cache_full_blocks`; `max_num_batched_tokens` and `max_num_seqs`). They return the engine's
@@ -30,8 +34,33 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence, SequenceStatus
+
+
+def admit_prompts(bm: BlockManager, waiting: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    """Exercise 5.0: admit waiting prompts into one step, as the scheduler's admission pass does.
+
+    In: `bm`, the engine's BlockManager (with chapter 04's prefix cache: `match_prefix`, `can_allocate`,
+    `allocate`, `free`, `cache_full_blocks`); `waiting`, new Sequences (empty block tables), in queue order;
+    `budget`, the tokens this step may still compute.
+    Out: [(seq, num_new_tokens)] for the admitted sequences, in order.
+    What must hold (the checks compare with the engine's own admission on seeded pools):
+    - in order, while budget is left, a sequence takes the cached blocks of its leading full blocks
+      (`bm.match_prefix`) and records the hit tokens in `seq.num_cached_tokens`;
+    - it computes from there, except that its last prompt token is always computed, even when every block
+      hit: that token's logits give the first output token;
+    - it computes as many of its remaining tokens as the budget allows (a chunk, if the budget is short);
+    - a sequence whose new blocks do not fit leaves nothing behind (no blocks held, its counts 0), and
+      admission stops there: first come, first served, so no later prompt overtakes it;
+    - the blocks a sequence fills this step are in the cache before the next one is admitted
+      (`bm.cache_full_blocks(seq, start + n)`), so an identical prompt in the same step shares them.
+    Choose only: leave `seq.num_computed_tokens` where the step starts (its hits, or one less than the
+    prompt), as `Scheduler.pick()` does. `Scheduler.schedule()` then commits the step before the forward
+    pass: the new tokens count as computed from then on, and a step that fails is rolled back.
+    """
+    raise NotImplementedError("Exercise 5.0: admit waiting prompts into one step, as the scheduler's admission pass does - see book/05a_admission.ipynb")
 
 
 def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
@@ -52,7 +81,7 @@ def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out
     - no other sequence changes.
     Which victim to take is your policy; the engine, like vLLM v1, takes the newest (the end of the list).
     """
-    raise NotImplementedError("Exercise 5.1: make room in the KV pool for `seq`'s next tokens by preempting running sequences - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.1: make room in the KV pool for `seq`'s next tokens by preempting running sequences - see book/05a_admission.ipynb")
 
 
 def schedule(sched: Scheduler) -> SchedulerOutput:
@@ -87,7 +116,7 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
     The order you build the output in, which victim your 5.1 takes, and whether an n > 1 sibling waits for
     its first completion's prompt (`seq.wait_for`) are yours.
     """
-    raise NotImplementedError("Exercise 5.2: one scheduling step: who computes how many tokens this step, under a token budget - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.2: one scheduling step: who computes how many tokens this step, under a token budget - see book/05b_scheduling_step.ipynb")
 
 
 @dataclass
@@ -124,7 +153,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     - Sampled rows: the row of a sequence's last token, only when this step reaches the end of its known
       tokens (a chunk in the middle of a prompt produces no token), with that sequence's id, in row order.
     """
-    raise NotImplementedError("Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.3: the flat inputs of one scheduled batch, laid out as the engine's InputBuilder does - see book/05c_inputs_and_logits.ipynb")
 
 
 def process_logits(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
@@ -143,7 +172,7 @@ def process_logits(logits: torch.Tensor, temperatures: list[float], top_ks: list
       most likely tokens whose mass reaches top_p: a token stays when the mass of the tokens more likely
       than it is below top_p (so the most likely token always stays).
     """
-    raise NotImplementedError("Exercise 5.4: the filter chain of one batch, in vLLM's order; return new logits [B, V] - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.4: the filter chain of one batch, in vLLM's order; return new logits [B, V] - see book/05c_inputs_and_logits.ipynb")
 
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
@@ -161,7 +190,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
     seeded row alone vs in a batch. (The engine's Sampler inverts the cumulative distribution with one
     uniform number per row; any exact method passes.)
     """
-    raise NotImplementedError("Exercise 5.5: one token per row, each seeded request from its own generator - see book/05_continuous_batching.ipynb")
+    raise NotImplementedError("Exercise 5.5: one token per row, each seeded request from its own generator - see book/05d_sampling_and_loop.ipynb")
 
 
 class MyEngine:
@@ -211,7 +240,7 @@ class MyEngine:
           tokens; chapter 05's workload takes fewer steps than static batching.
         Uses your 5.2, 5.3 and 5.5 (while one is still a stub the checks use the engine's own in its place).
         """
-        raise NotImplementedError("Exercise 5.6: one step of your engine; return the sequences it finished - see book/05_continuous_batching.ipynb")
+        raise NotImplementedError("Exercise 5.6: one step of your engine; return the sequences it finished - see book/05d_sampling_and_loop.ipynb")
 
     def generate(self, prompts: list[list[int]], params, max_steps: int = 1000) -> list[list[int]]:
         """Run every prompt to the end (one SamplingParams for all, or one each): the generated token ids.

@@ -1,8 +1,9 @@
-# Your exercises for book/06_cuda_graphs.ipynb -- this file is yours to edit.
+# Your exercises for book/06a_step_cost.ipynb, 06b_cuda_graphs.ipynb, 06c_capture_and_overlap.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch06")`, from nanoengine.check) or: pytest tests/exercises/test_ch06_cuda_graphs.py
 # Generated from solutions/ch06_cuda_graphs.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 06, book/06_cuda_graphs.ipynb: per-step overhead, and the decode graphs that remove it.
+"""Chapter 06, book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb: per-step overhead, and the decode
+graphs that remove it.
 
 Exercise 6.1: the batch sizes that get a graph, and the bucket a batch replays.
 Exercise 6.2: copy a decode step into the static buffers, padded so that padding rows write nothing.
@@ -39,7 +40,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     (up to the cap) has one. No size appears twice; none is larger than the cap.
     graph_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]; graph_buckets(3) == [1, 2, 3].
     """
-    raise NotImplementedError("Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them) - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them) - see book/06b_cuda_graphs.ipynb")
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
@@ -47,7 +48,7 @@ def pick_bucket(buckets: list[int], batch: int) -> int | None:
 
     The smallest bucket >= batch, or None when the batch is larger than every bucket (it runs eagerly).
     `buckets` is sorted."""
-    raise NotImplementedError("Exercise 6.1: the bucket a decode batch of `batch` rows replays - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.1: the bucket a decode batch of `batch` rows replays - see book/06b_cuda_graphs.ipynb")
 
 
 def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput, bucket: int) -> int:
@@ -67,7 +68,7 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
       a later step with more rows, or a wider table, would read them.
     Return the number of columns that may hold a block id now: width.
     """
-    raise NotImplementedError("Exercise 6.2: copy a decode step into the static buffers, padded up to `bucket`; return the new width - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.2: copy a decode step into the static buffers, padded up to `bucket`; return the new width - see book/06b_cuda_graphs.ipynb")
 
 
 class StandInGraphs:
@@ -90,17 +91,17 @@ class StandInGraphs:
     def __init__(self, forward: Callable[[ModelInput], torch.Tensor], buckets: list[int], max_blocks: int,
                  hidden_size: int, block_size: int, dtype: torch.dtype) -> None:
         """Exercise 6.3: allocate the static buffers and the output once, for the largest bucket."""
-        raise NotImplementedError("Exercise 6.3: allocate the static buffers and the output once, for the largest bucket - see book/06_cuda_graphs.ipynb")
+        raise NotImplementedError("Exercise 6.3: allocate the static buffers and the output once, for the largest bucket - see book/06c_capture_and_overlap.ipynb")
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Exercise 6.3: record (and run once) one forward per bucket over the static buffers."""
-        raise NotImplementedError("Exercise 6.3: record (and run once) one forward per bucket over the static buffers - see book/06_cuda_graphs.ipynb")
+        raise NotImplementedError("Exercise 6.3: record (and run once) one forward per bucket over the static buffers - see book/06c_capture_and_overlap.ipynb")
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
         """Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows."""
-        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows - see book/06_cuda_graphs.ipynb")
+        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows - see book/06c_capture_and_overlap.ipynb")
 
 
 def count_ops(fn: Callable[[], object]) -> Counter[str]:
@@ -111,7 +112,7 @@ def count_ops(fn: Callable[[], object]) -> Counter[str]:
     then runs func(*args, **kwargs). Return a Counter {op name: calls}. (A C++ extension bound with pybind11,
     like nanoengine's CPU kernels, is one call that dispatches only the aten ops it calls itself.)
     """
-    raise NotImplementedError("Exercise 6.4: the aten ops that calling `fn()` dispatches, counted by name - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.4: the aten ops that calling `fn()` dispatches, counted by name - see book/06a_step_cost.ipynb")
 
 
 def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
@@ -122,7 +123,7 @@ def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
     memory_ms = bytes_moved / (bandwidth_gbs x 1e9) (reading the weights and the KV cache), in ms;
     total_ms = overhead_ms + memory_ms. Return {"overhead_ms", "memory_ms", "total_ms"}.
     """
-    raise NotImplementedError("Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there - see book/06a_step_cost.ipynb")
 
 
 def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
@@ -138,4 +139,4 @@ def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torc
     the values), or the host would wait for the step in flight, which is what overlap avoids.
     read_pending_ids(tensor([5, -1, -3]), tensor([70, 71, 72])) == tensor([5, 70, 72]).
     """
-    raise NotImplementedError("Exercise 6.5: the next step's input ids, with its pending tokens read from the step before's - see book/06_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.5: the next step's input ids, with its pending tokens read from the step before's - see book/06c_capture_and_overlap.ipynb")

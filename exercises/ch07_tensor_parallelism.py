@@ -1,8 +1,8 @@
-# Your exercises for book/07_tensor_parallelism.ipynb -- this file is yours to edit.
+# Your exercises for book/07a_sharding.ipynb, 07b_real_ranks.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch07")`, from nanoengine.check) or: pytest tests/exercises/test_ch07_tensor_parallelism.py
 # Generated from solutions/ch07_tensor_parallelism.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 07, book/07_tensor_parallelism.ipynb: splitting a model's weights across ranks.
+"""Chapter 07, book/07a_sharding.ipynb .. 07b_real_ranks.ipynb: splitting a model's weights across ranks.
 
 Exercise 7.1: a rank's rows of a fused column-parallel weight (gate/up): its share of every part.
 Exercise 7.2: a rank's fused q/k/v weight, sharded by heads (grouped-query attention aware).
@@ -38,7 +38,7 @@ def shard_merged_rows(weight: torch.Tensor, part_sizes: list[int], rank: int, si
     SwiGLU to its own gate and up rows with no communication. Return them stacked in part order:
     [sum(part_sizes) / size, in_features].
     """
-    raise NotImplementedError("Exercise 7.1: this rank's rows of a fused column-parallel weight - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.1: this rank's rows of a fused column-parallel weight - see book/07a_sharding.ipynb")
 
 
 def shard_qkv(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor, num_heads: int,
@@ -52,7 +52,7 @@ def shard_qkv(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Te
     [(num_heads + 2 * num_kv_heads) / size * head_dim, hidden]. Raise ValueError, naming the counts, when size
     does not divide both head counts.
     """
-    raise NotImplementedError("Exercise 7.2: this rank's fused q/k/v weight, sharded by heads - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.2: this rank's fused q/k/v weight, sharded by heads - see book/07a_sharding.ipynb")
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -65,7 +65,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     with the bias added on rank 0 only, and out = their sum (what the all-reduce gives every rank), which
     equals x @ weight.T + bias.
     """
-    raise NotImplementedError("Exercise 7.3: a row-parallel linear layer over `size` simulated ranks - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.3: a row-parallel linear layer over `size` simulated ranks - see book/07a_sharding.ipynb")
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank: int,
@@ -76,7 +76,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, rank
     For ids [tokens], return [tokens, dim]: the embedding of each id this rank holds, and zeros for the ids
     other ranks hold, so that summing the ranks' results (the all-reduce) gives the full lookup.
     """
-    raise NotImplementedError("Exercise 7.4: this rank's part of an embedding lookup over a vocabulary split in `size` equal shards - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.4: this rank's part of an embedding lookup over a vocabulary split in `size` equal shards - see book/07b_real_ranks.ipynb")
 
 
 def column_parallel_forward(x: torch.Tensor, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None,
@@ -89,7 +89,7 @@ def column_parallel_forward(x: torch.Tensor, weight_shard: torch.Tensor, bias_sh
     with no communication; with gather=True, every rank's slice side by side in rank order, [tokens,
     out_features], on every rank (`dist.all_gather`).
     """
-    raise NotImplementedError("Exercise 7.5: a column-parallel linear's forward on this rank - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.5: a column-parallel linear's forward on this rank - see book/07b_real_ranks.ipynb")
 
 
 def row_parallel_forward(x_shard: torch.Tensor, weight_shard: torch.Tensor,
@@ -102,7 +102,7 @@ def row_parallel_forward(x_shard: torch.Tensor, weight_shard: torch.Tensor,
     x @ weight.T + bias [tokens, out_features] on every rank: the sum over ranks of the partial products
     (`dist.all_reduce`), with the bias counted once.
     """
-    raise NotImplementedError("Exercise 7.6: a row-parallel linear's forward on this rank - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.6: a row-parallel linear's forward on this rank - see book/07b_real_ranks.ipynb")
 
 
 def vocab_parallel_embedding_forward(ids: torch.Tensor, weight_shard: torch.Tensor) -> torch.Tensor:
@@ -113,4 +113,4 @@ def vocab_parallel_embedding_forward(ids: torch.Tensor, weight_shard: torch.Tens
     lookup [tokens, dim] on every rank: each rank looks up the ids it holds (at their row in its shard), zeros
     the rows of the ids it does not, and the ranks' parts are summed (`dist.all_reduce`).
     """
-    raise NotImplementedError("Exercise 7.7: a vocab-parallel embedding's forward on this rank - see book/07_tensor_parallelism.ipynb")
+    raise NotImplementedError("Exercise 7.7: a vocab-parallel embedding's forward on this rank - see book/07b_real_ranks.ipynb")

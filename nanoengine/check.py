@@ -4,15 +4,17 @@ book chapter (00-10) does:
     from nanoengine.check import check
     check("ch03")
 
-and an inline check cell after an exercise runs that exercise's tests only: `check("5.2")`. A test that stops
-at the stub of an exercise it builds on says so ("5.2 uses your 5.1, still todo"). A failure shows the
-difference first: "yours" and "expected" on two aligned lines with the first differing item marked, a dict
-as the keys that differ, block hashes as short ids (#5f66a1: the first 6 hex digits of the 64-bit value);
-then the hint, then the state the test started from, whole, one part a line. Once all of a chapter's tests
-pass, the chapter-end check runs its capstone (chapters 02-07, 09 and 10, `nanoengine.pieces.capstone`): the
-engine on the learner's pieces must give the engine's own greedy text, and its last rows say so; when it does
-not, they name the piece most likely at fault, from what differs (the first token, a later one, a step's
-prefix hits, preemptions, blocks or token counts).
+a chapter split into parts of an hour (book/03a_..., 03b_...: nanoengine.book) ends each part with that part's
+exercises, `check("ch03a")`, and its last part with the whole chapter's; an inline check cell after an
+exercise runs that exercise's tests only: `check("5.2")`. A test that stops at the stub of an exercise it
+builds on says so ("5.2 uses your 5.1, still todo"). A failure shows the difference first: "yours" and
+"expected" on two aligned lines with the first differing item marked, a dict as the keys that differ, block
+hashes as short ids (#5f66a1: the first 6 hex digits of the 64-bit value); then the hint, then the state the
+test started from, whole, one part a line. Once all of a chapter's tests pass, the chapter-end check runs its
+capstone (chapters 02-07, 09 and 10, `nanoengine.pieces.capstone`): the engine on the learner's pieces must
+give the engine's own greedy text, and its last rows say so; when it does not, they name the piece most likely
+at fault, from what differs (the first token, a later one, a step's prefix hits, preemptions, blocks or token
+counts).
 
 The tests (tests/exercises/test_chNN_*.py) run in a fresh `pytest` subprocess, so edits to your
 exercises/ files are always picked up without restarting the kernel. Each exercise's results are reused until
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoengine import book
 from nanoengine.pieces import IMPL_VARIABLE, default_impl
 from nanoengine.solution import show_solution  # noqa: F401  (the book's `from nanoengine.check import ...`)
 
@@ -342,7 +345,7 @@ def render_failure(name: str, message: str, width: int = 110) -> list[str]:
 def _chapter_files(chapter: str | int) -> tuple[str, list[Path]]:
     m = re.fullmatch(r"(?:ch)?(\d{1,2})", str(chapter).strip().lower())
     if not m:
-        raise ValueError(f"chapter {chapter!r}: use 'ch03', '03' or 3")
+        raise ValueError(f"chapter {chapter!r}: use 'ch03', '03' or 3 (a part: 'ch03b'; an exercise: '3.4')")
     nn = f"{int(m.group(1)):02d}"
     tests_dir = ROOT / "tests" / "exercises"
     if not tests_dir.is_dir():
@@ -416,56 +419,82 @@ def _selector(number: str) -> str:
 
 
 def run(chapter: str | int, impl: str | None = None, timeout: float = 600) -> ChapterResult:
-    """Run a chapter's exercise tests ("ch05"), or one exercise's only ("5.2"); return the results (check()
-    prints them). Each exercise's results are kept until the chapter's exercise files or the tests change.
-    The first one-exercise check after a change also starts the rest of the chapter's tests in the background
-    (at a lower priority; stopped if the files change again), so that a Run All's inline checks and its
-    chapter-end table cost two pytest processes, not one per exercise."""
-    one = _ONE_EXERCISE.fullmatch(str(chapter).strip())
+    """Run a chapter's exercise tests ("ch05"), one part's ("ch03b": the exercises that part of the book
+    sets), or one exercise's only ("5.2"); return the results (check() prints them). Each exercise's results
+    are kept until the chapter's exercise files or the tests change. The first check of some exercises after a
+    change also starts the rest of the chapter's tests in the background (at a lower priority; stopped if the
+    files change again), so that a Run All's inline checks and its part-end table cost two pytest processes,
+    not one per exercise. The capstone runs with the whole chapter's check."""
+    text = str(chapter).strip().lower()
+    one = _ONE_EXERCISE.fullmatch(text)
+    part = re.fullmatch(r"(?:ch)?(\d{1,2})([a-z])", text)
+    wanted: list[str] = []  # the exercises asked for; [] for the whole chapter
     if one:
         chapter = one.group(1)
-    number = f"{int(one.group(1))}.{int(one.group(2))}" if one else ""
+        wanted = [f"{int(one.group(1))}.{int(one.group(2))}"]
+    elif part:
+        chapter = part.group(1)
+        wanted = book.part_exercises(f"{int(part.group(1)):02d}{part.group(2)}")
+        if not wanted:
+            raise ValueError(f"check({text!r}): no part {int(part.group(1)):02d}{part.group(2)} in book/ "
+                             f"sets an exercise; the chapter's notebooks are "
+                             f"{[p.name for p in book.chapter_notebooks(part.group(1))]}")
     name, files = _chapter_files(chapter)
     impl = impl or default_impl()
     impl_dir = ROOT / impl if impl in ("exercises", "solutions") else Path(impl)
-    result = ChapterResult(name, f"{impl}/" if impl in ("exercises", "solutions") else impl,
+    result = ChapterResult(name + (part.group(2) if part else ""),
+                           f"{impl}/" if impl in ("exercises", "solutions") else impl,
                            exercises=_exercise_titles(impl_dir, name))
     key = _stamp(impl_dir, name)
     if key not in _RESULTS:
         _forget()  # keep one chapter's results at a time
         _RESULTS[key] = {}
     done = _RESULTS[key]
-    if key in _BACKGROUND and not (number and number in done):  # the rest of the chapter: wait for it
+    missing = [n for n in wanted if n not in done]
+    if key in _BACKGROUND and (missing or not wanted):  # the rest of the chapter: wait for it
         tests, error = _finish_pytest(_BACKGROUND.pop(key), timeout)
         if not error:
             for t in tests:
                 done.setdefault(t.exercise, []).append(t)
             _COMPLETE.add(key)
-    if number and number not in done and key not in _COMPLETE:
-        select = _selector(number)
-    elif not number and key not in _COMPLETE:
+        missing = [n for n in wanted if n not in done]
+    if missing and key not in _COMPLETE:
+        select = " or ".join(_selector(n) for n in missing)
+    elif not wanted and key not in _COMPLETE:
         select = " and ".join(f"not {_selector(n)}" for n in sorted(done))
     else:
         select = None  # nothing left to run
     if select is not None:
+        first = not done
         tests, error = _run_pytest(files, impl, timeout, select)
         if error:
             result.tests, result.error = tests, error
             return result
-        if number:
-            done[number] = []
+        for n in missing:
+            done[n] = []
         for t in tests:
             done.setdefault(t.exercise, []).append(t)
-        if not number:
+        if not wanted:
             _COMPLETE.add(key)
-        elif len(done) == 1:  # the first check since the files changed: run the rest behind it
-            _BACKGROUND[key] = _start_pytest(files, impl, f"not {_selector(number)}", background=True)
-    result.tests = [t for n, ts in done.items() if not number or n == number for t in ts]
-    if number:
-        result.exercises = {k: v for k, v in result.exercises.items() if k == number}
+        elif first:  # the first check since the files changed: run the rest behind it
+            rest = " and ".join(f"not {_selector(n)}" for n in missing)
+            _BACKGROUND[key] = _start_pytest(files, impl, rest, background=True)
+    result.tests = [t for n, ts in done.items() if not wanted or n in wanted for t in ts]
+    if wanted:
+        result.exercises = {k: v for k, v in result.exercises.items() if k in wanted}
+        if part:
+            pieces = " and then the engine on your pieces" if name in _chapters_with_pieces() else ""
+            result.capstone_note = (f"the whole chapter's check, check(\"{name}\") at the end of its last "
+                                    f"part, runs every exercise of it{pieces}")
     else:
         add_capstone(result, impl_dir, key)
     return result
+
+
+def _chapters_with_pieces() -> dict:
+    from nanoengine.pieces import CHAPTERS
+
+    return CHAPTERS
 
 
 # The piece of a chapter most likely at fault when its capstone differs while every exercise test passes, by
@@ -485,16 +514,17 @@ SUSPECTS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
              "later": (("paged_decode_kernel", "store_kv", "batch_slot_mapping", "attention_metadata"),
                        "tokens after the first come from decode steps: your kernel (3.6 without triton) "
                        "over the slots your 3.1 chose")},
-    "ch04": {"prefix-hit tokens": (("count_cached_tokens", "admit_prompts", "PrefixCachingAllocator.free"),
-                                   "how many tokens hit is your lookup's answer, at admission"),
-             "blocks in use": (("PrefixCachingAllocator.free", "admit_prompts"),
-                               "blocks in use change when your free keeps them or admission takes them"),
-             "preemptions": (("PrefixCachingAllocator.free", "admit_prompts"),
+    "ch04": {"prefix-hit tokens": (("count_cached_tokens", "prefix_block_hashes"),
+                                   "how many tokens hit is your lookup's answer, over your hashes"),
+             "blocks in use": (("PrefixCachingAllocator.free",),
+                               "blocks in use change when your free keeps them or gives them back"),
+             "preemptions": (("PrefixCachingAllocator.free",),
                              "a pool that runs out early has blocks your free did not give back"),
-             "first": (("prefix_block_hashes", "count_cached_tokens", "admit_prompts"),
+             "first": (("prefix_block_hashes", "count_cached_tokens"),
                        "a prompt read another prefix's K/V: a hash that does not chain the whole prefix, or "
-                       "a full hit that does not recompute the last token"),
-             "other": (("admit_prompts",), "a step's sequences and token counts are admission's choice")},
+                       "a lookup that counts a block whose tokens differ"),
+             "other": (("count_cached_tokens", "prefix_block_hashes"),
+                       "a step's token counts start from your lookup's hits")},
     "ch05": {"preemptions": (("preempt_until_fits", "schedule"), "preemption is 5.1's, called by 5.2"),
              "blocks in use": (("preempt_until_fits", "schedule"), "blocks are taken and given back there"),
              "first": (("sample", "process_logits"), "same schedule, other tokens: the sampler (greedy)"),

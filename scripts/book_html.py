@@ -24,6 +24,8 @@ import nbformat
 from nbclient.exceptions import CellExecutionError
 from nbconvert import HTMLExporter
 
+from nanoengine import book
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 OUT = ROOT / "build" / "book"
@@ -32,13 +34,14 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def chapters(selected: list[str] | None = None) -> list[Path]:
-    """The book's chapters, or those named in `selected` ("03", "03_paged_kv" or "03_paged_kv.ipynb")."""
-    every = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
+    """The book's chapters and parts, or those named in `selected` ("03": every part of chapter 03; "03b",
+    "03b_paged_attention" or "03b_paged_attention.ipynb": one part)."""
+    every = book.notebooks(BOOK)
     if not selected:
         return every
     picked = []
     for name in selected:
-        found = [p for p in every if name in (p.name, p.stem, p.name[:2])]
+        found = [p for p in every if name in (p.name, p.stem, p.name[:2], book.part_of(p))]
         if not found:
             raise SystemExit(f"no chapter {name!r} in book/; the chapters are {[p.stem for p in every]}")
         picked += found
@@ -72,7 +75,7 @@ def build(path: Path, out: Path = OUT, timeout: int = CELL_TIMEOUT_S) -> tuple[P
 def write_index(out: Path) -> Path:
     """out/index.html: a link to each chapter's page found in `out`."""
     links = "\n".join(f'<li><a href="{html.escape(p.name)}">{html.escape(p.stem)}</a></li>'
-                      for p in sorted(out.glob("[0-9][0-9]_*.html")))
+                      for p in sorted(out.glob("[0-9][0-9]*_*.html")))
     index = out / "index.html"
     index.write_text(f"<!doctype html>\n<meta charset='utf-8'>\n<title>nanoengine: the book</title>\n"
                      f"<h1>nanoengine: the book</h1>\n<ol start='0'>\n{links}\n</ol>\n", encoding="utf-8")

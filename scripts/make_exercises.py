@@ -3,7 +3,9 @@
 Every `# BEGIN SOLUTION` ... `# END SOLUTION` block in a solution file becomes one line,
 `raise NotImplementedError("Exercise N.k: <what> - see book/NN_topic.ipynb")`, at the marker's indentation.
 The label comes from the nearest line above the block that reads `Exercise N.k: <what>` (the function's
-docstring), so every exercise names itself in the book's terms.
+docstring), so every exercise names itself in the book's terms. The notebook named is the one that sets the
+exercise (its `### Exercise N.k` heading): a chapter split into parts (book/03a_..., book/03b_...) names the
+part (nanoengine.book).
 
     python scripts/make_exercises.py            # (re)write exercises/ from solutions/
     python scripts/make_exercises.py --check    # exit 1 if exercises/ is out of sync (CI)
@@ -19,6 +21,8 @@ import difflib
 import re
 import sys
 from pathlib import Path
+
+from nanoengine import book
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "# BEGIN SOLUTION"
@@ -44,8 +48,12 @@ def stub_source(solution: Path, book_dir: Path | None = None) -> str:
         raise MarkerError(f"{solution}: solution files are named chNN_topic.py")
     nn, topic = m.groups()
     notebook = f"{nn}_{topic}.ipynb"
-    if book_dir is not None and not (book_dir / notebook).is_file():
-        raise MarkerError(f"{solution}: its chapter book/{notebook} does not exist")
+    parts = book.chapter_notebooks(nn, book_dir) if book_dir is not None else []
+    if book_dir is not None and not parts:
+        raise MarkerError(f"{solution}: its chapter book/{notebook} (or its parts book/{nn}a_*.ipynb, ...) "
+                          "does not exist")
+    if len(parts) > 1 or parts and parts[0].name != notebook:
+        notebook = ", ".join(p.name for p in parts)
     lines = solution.read_text().splitlines()
     out = [HEADER.format(notebook=notebook, nn=nn, topic=topic, name=solution.name).rstrip("\n")]
     label = None
@@ -67,7 +75,9 @@ def stub_source(solution: Path, book_dir: Path | None = None) -> str:
                 number = f"{label.group(1)}.{label.group(2)}"
                 what = label.group(3).replace('"', "'")
                 indent = line[: len(line) - len(line.lstrip())]
-                msg = f"Exercise {number}: {what} - see book/{notebook}"
+                where = book.notebook_of(number, book_dir) if book_dir is not None else None
+                where_name = where.name if where else notebook.split(", ")[0]
+                msg = f"Exercise {number}: {what} - see book/{where_name}"
                 out.append(f'{indent}raise NotImplementedError("{msg}")')
                 seen.add(number)
                 inside = no
@@ -118,7 +128,7 @@ def check(root: Path = ROOT) -> list[str]:
 
 
 def write(out_dir: Path, solutions_dir: Path = ROOT / "solutions",
-          book_dir: Path | None = None) -> list[Path]:
+          book_dir: Path | None = ROOT / "book") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in generate(solutions_dir, book_dir).items():

@@ -1,4 +1,5 @@
-"""Chapter 02, book/02_qwen3_forward.ipynb: the Qwen3 forward pass from its parts.
+"""Chapter 02, book/02a_layer_parts.ipynb .. 02b_layer_and_forward.ipynb: the Qwen3 forward pass from its
+parts.
 
 Exercise 2.1: RMSNorm.
 Exercise 2.2: rotary position embedding (RoPE), "rotate half" layout.

@@ -1,4 +1,4 @@
-"""Chapter 03, book/03_paged_kv.ipynb: the paged KV cache.
+"""Chapter 03, book/03a_paged_blocks.ipynb .. 03d_triton_kernel.ipynb: the paged KV cache.
 
 Exercise 3.1: the slot mapping of a batch: where each new token's K/V goes in the cache.
 Exercise 3.2: the attention metadata of a batch: decode block tables and context lengths, prefill chunks.

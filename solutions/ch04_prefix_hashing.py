@@ -1,16 +1,16 @@
-"""Chapter 04, book/04_prefix_hashing.ipynb: prefix caching with chained block hashes.
+"""Chapter 04, book/04a_block_hashes.ipynb .. 04b_ref_counts.ipynb: prefix caching with chained block hashes.
 
 Exercise 4.1: the chained hash of every full block of a token sequence.
 Exercise 4.2: how many tokens of a new prompt the prefix cache already holds.
 Exercise 4.3: allocate a prompt's blocks, reusing cached blocks (ref counts, revived free blocks).
 Exercise 4.4: free a sequence's blocks, keeping their hashes for later hits (LRU order).
-Exercise 4.5: admit prompts in one step: same-step sharing and last-token recompute.
 
 `block_hash` is given: the exact hash nanoengine uses. It is not a convention you may change: with
 use_exercises=["ch04"] your hashes name blocks in the engine's own prefix cache, beside blocks the engine
 hashed itself, and a different hash would never hit them. 4.1-4.4 build a small model of the engine's
 BlockManager (checked by what it does: hits, cached prefixes, ref counts, the order in which free blocks would
-be evicted; not by which block id holds what); 4.5 drives the engine's own BlockManager.
+be evicted; not by which block id holds what). Admitting a prompt with these pieces (its hits, the last token
+recomputed, same-step sharing) is chapter 05's Exercise 5.0, where the scheduler is taught.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from typing import Any
 
 import xxhash
 
@@ -149,42 +148,3 @@ class PrefixCachingAllocator:
                 freed.append(b)
         return freed
         # END SOLUTION
-
-
-def admit_prompts(bm: Any, waiting: list[Any], budget: int) -> list[tuple[Any, int]]:
-    """Exercise 4.5: admit waiting prompts into one step, as the scheduler's admission pass does.
-
-    `bm` is a nanoengine BlockManager, `waiting` new Sequences (empty block tables), in order; `budget` the
-    tokens this step may compute. Admit them in order while budget is left:
-    - a sequence reuses the cached blocks of its leading full blocks (bm.match_prefix) and records the hit
-      tokens in seq.num_cached_tokens;
-    - it computes from there, except that its last prompt token is always computed, even when every block
-      hit: that token's logits give the first output token;
-    - it computes as many of its remaining tokens as the budget allows;
-    - a sequence whose new blocks do not fit leaves nothing behind (no blocks held, its counts 0), and
-      admission stops there: first come, first served, so no later prompt overtakes it;
-    - the blocks a sequence fills this step are in the cache before the next one is admitted
-      (bm.cache_full_blocks), so an identical prompt in the same step shares them.
-    Return [(seq, num_new_tokens)] for the admitted sequences, in order; leave seq.num_computed_tokens at
-    the step's start, as `Scheduler.pick()` does. (`Scheduler.schedule()` then commits the step before the
-    forward pass: the new tokens count as computed from then on, and a step that fails is rolled back.)
-    """
-    # BEGIN SOLUTION
-    admitted = []
-    for seq in waiting:
-        if budget <= 0:
-            break
-        hits = bm.match_prefix(seq)
-        seq.num_cached_tokens = hits
-        seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not bm.can_allocate(seq, n):
-            bm.free(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
-            break
-        bm.allocate(seq, n)
-        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
-        admitted.append((seq, n))
-        budget -= n
-    return admitted
-    # END SOLUTION

@@ -1,5 +1,7 @@
-"""Chapter 05, book/05_continuous_batching.ipynb: continuous batching, the scheduler and the sampler.
+"""Chapter 05, book/05a_admission.ipynb .. 05d_sampling_and_loop.ipynb: continuous batching, the scheduler and
+the sampler.
 
+Exercise 5.0: admit waiting prompts into one step: prefix hits, the last token recomputed, same-step sharing.
 Exercise 5.1: make room in the KV pool by preempting running sequences (your choice of victim).
 Exercise 5.2: one scheduling step under a token budget.
 Exercise 5.3: flatten a scheduled batch into the model's inputs.
@@ -7,7 +9,9 @@ Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
 Exercise 5.5: sample one token per row, each seeded request from its own generator.
 Exercise 5.6: your own engine: the step loop over your pieces (schedule, inputs, forward, sample, update).
 
-5.1 and 5.2 work on the engine's own objects, so your scheduling step can drive the engine: `sched` is a
+5.0 works on the engine's BlockManager, and 5.2 admits prompts by 5.0's rules (with the scheduler's
+bookkeeping around them: the running list, the sequence limit). 5.1 and 5.2 work on the engine's own
+objects, so your scheduling step can drive the engine: `sched` is a
 `nanoengine.engine.scheduler.Scheduler` (its `running` list, oldest first; its `waiting` deque; its
 `block_manager`, with `can_allocate`, `allocate`, `free`, `blocks_needed`, `match_prefix` and
 `cache_full_blocks`; `max_num_batched_tokens` and `max_num_seqs`). They return the engine's
@@ -26,8 +30,51 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence, SequenceStatus
+
+
+def admit_prompts(bm: BlockManager, waiting: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    """Exercise 5.0: admit waiting prompts into one step, as the scheduler's admission pass does.
+
+    In: `bm`, the engine's BlockManager (with chapter 04's prefix cache: `match_prefix`, `can_allocate`,
+    `allocate`, `free`, `cache_full_blocks`); `waiting`, new Sequences (empty block tables), in queue order;
+    `budget`, the tokens this step may still compute.
+    Out: [(seq, num_new_tokens)] for the admitted sequences, in order.
+    What must hold (the checks compare with the engine's own admission on seeded pools):
+    - in order, while budget is left, a sequence takes the cached blocks of its leading full blocks
+      (`bm.match_prefix`) and records the hit tokens in `seq.num_cached_tokens`;
+    - it computes from there, except that its last prompt token is always computed, even when every block
+      hit: that token's logits give the first output token;
+    - it computes as many of its remaining tokens as the budget allows (a chunk, if the budget is short);
+    - a sequence whose new blocks do not fit leaves nothing behind (no blocks held, its counts 0), and
+      admission stops there: first come, first served, so no later prompt overtakes it;
+    - the blocks a sequence fills this step are in the cache before the next one is admitted
+      (`bm.cache_full_blocks(seq, start + n)`), so an identical prompt in the same step shares them.
+    Choose only: leave `seq.num_computed_tokens` where the step starts (its hits, or one less than the
+    prompt), as `Scheduler.pick()` does. `Scheduler.schedule()` then commits the step before the forward
+    pass: the new tokens count as computed from then on, and a step that fails is rolled back.
+    """
+    # BEGIN SOLUTION
+    admitted = []
+    for seq in waiting:
+        if budget <= 0:
+            break
+        hits = bm.match_prefix(seq)
+        seq.num_cached_tokens = hits
+        seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.can_allocate(seq, n):
+            bm.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            break
+        bm.allocate(seq, n)
+        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        admitted.append((seq, n))
+        budget -= n
+    return admitted
+    # END SOLUTION
 
 
 def preempt_until_fits(sched: Scheduler, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:

@@ -1,4 +1,5 @@
-"""Chapter 06, book/06_cuda_graphs.ipynb: per-step overhead, and the decode graphs that remove it.
+"""Chapter 06, book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb: per-step overhead, and the decode
+graphs that remove it.
 
 Exercise 6.1: the batch sizes that get a graph, and the bucket a batch replays.
 Exercise 6.2: copy a decode step into the static buffers, padded so that padding rows write nothing.

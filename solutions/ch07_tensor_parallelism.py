@@ -1,4 +1,4 @@
-"""Chapter 07, book/07_tensor_parallelism.ipynb: splitting a model's weights across ranks.
+"""Chapter 07, book/07a_sharding.ipynb .. 07b_real_ranks.ipynb: splitting a model's weights across ranks.
 
 Exercise 7.1: a rank's rows of a fused column-parallel weight (gate/up): its share of every part.
 Exercise 7.2: a rank's fused q/k/v weight, sharded by heads (grouped-query attention aware).

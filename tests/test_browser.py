@@ -28,9 +28,11 @@ from pathlib import Path
 import pytest
 from book_run import CHROMIUM, NOTEBOOK_LIMIT_S, browser_problem
 
+from nanoengine import book
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-NOTEBOOKS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = book.notebooks(BOOK)  # chapters and parts of chapters (03a_..., 03b_...), each run on its own
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]

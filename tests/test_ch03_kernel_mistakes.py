@@ -66,15 +66,15 @@ def chapter_with(edits: dict[str, str], name: str, tmp_path: Path):
 def test_a_mistake_in_the_row_softmax_kernel_is_named(mode, tmp_path):
     module = chapter_with(ROW_MISTAKES[mode], f"row_{mode}", tmp_path)
     with pytest.raises(AssertionError) as e:
-        ex_test.check_row_softmax(module.triton_row_softmax, "(Exercise 3.7; see book/03_paged_kv.ipynb)",
-                                  DEVICE)
+        ex_test.check_row_softmax(module.triton_row_softmax,
+                                  "(Exercise 3.7; see book/03c_online_softmax.ipynb)", DEVICE)
     assert f"This looks like {ex_test.ROW_SOFTMAX_MISTAKES[mode]}" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("mode", list(PAGED_MISTAKES))
 def test_a_mistake_in_the_paged_kernel_is_named(mode, tmp_path):
     module = chapter_with(PAGED_MISTAKES[mode], f"paged_{mode}", tmp_path)
-    where = "(Exercise 3.8; see book/03_paged_kv.ipynb)"
+    where = "(Exercise 3.8; see book/03d_triton_kernel.ipynb)"
     with pytest.raises(AssertionError) as e:  # as test_3_8 checks: its own heads first, then the values
         ex_test.check_own_heads(functools.partial(ex_test.launch_first_kv_head, module.paged_decode_kernel),
                                 where, DEVICE)

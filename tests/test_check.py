@@ -5,11 +5,12 @@ most likely at fault."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from nanoengine import check
+from nanoengine import book, check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,7 +218,7 @@ def test_a_failed_capstone_names_the_piece_most_likely_at_fault(monkeypatch):
     never = "same text, but prefix-hit tokens 0 vs the engine's 64: prompts sharing a prefix never hit"
     assert check.suspect("ch04", never, solutions).startswith("most likely at fault: your 4.2 (count_cached")
     over = "same text, but step 3 computed 44 tokens, over the budget of 40"
-    assert check.suspect("ch04", over, solutions).startswith("most likely at fault: your 4.5 (admit_prompts)")
+    assert check.suspect("ch04", over, solutions).startswith("most likely at fault: your 4.2 (count_cached")
     assert check.suspect("ch04", "ExerciseError: use_exercises: your Exercise 4.3 raised", solutions) == ""
 
     # wired into the table: a failed row is followed by its suspect
@@ -229,3 +230,40 @@ def test_a_failed_capstone_names_the_piece_most_likely_at_fault(monkeypatch):
     check.add_capstone(result, solutions, ("a key",))
     assert not result.passed and "  -> most likely at fault: your 4.2 (count_cached_tokens)" in result.table()
     check._CAPSTONES.clear()
+
+
+def test_a_part_runs_the_exercises_it_sets(fake_chapter, monkeypatch):
+    """check("ch42b") runs the exercises that part of the book sets (its `### Exercise` headings), starts the
+    rest of the chapter behind them, and leaves the capstone to the whole chapter's check."""
+    impl = fake_chapter
+    book_dir = fake_chapter.parent / "root" / "book"
+    book_dir.mkdir()
+
+    def notebook(name: str, *numbers: str) -> None:
+        cells = [{"cell_type": "markdown", "id": f"c{i}", "metadata": {},
+                  "source": [f"### Exercise {n}: x\n", "\n", "text\n"]} for i, n in enumerate(numbers)]
+        (book_dir / name).write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                                 "nbformat_minor": 5}))
+
+    notebook("42a_fake.ipynb", "42.1")
+    notebook("42b_fake.ipynb", "42.2", "42.3")
+    assert [p.name for p in book.notebooks(book_dir)] == ["42a_fake.ipynb", "42b_fake.ipynb"]
+    assert book.part_exercises("42b", book_dir) == ["42.2", "42.3"], book.part_exercises("42b", book_dir)
+    assert book.part_of(book_dir / "42a_fake.ipynb") == "42a"
+    assert book.notebook_of("42.3", book_dir).name == "42b_fake.ipynb"
+    assert book.notebook_of("42.9", book_dir) is None
+    monkeypatch.setattr(book, "BOOK", book_dir)
+    started = []
+    real = check._start_pytest
+    monkeypatch.setattr(check, "_start_pytest",
+                        lambda files, impl, select="", background=False:
+                        started.append((select, background)) or real(files, impl, select, background))
+    part = check.run("ch42b", impl=str(impl))
+    assert started == [("test_42_2_ or test_42_3_", False),
+                       ("not test_42_2_ and not test_42_3_", True)], started
+    assert part.chapter == "ch42b" and set(part.exercises) == {"42.2", "42.3"}, part.table()
+    assert {t.exercise for t in part.tests} == {"42.2", "42.3"} and part.passed, part.table()
+    assert 'check("ch42")' in part.table() and part.capstone is None
+    assert check.run("ch42", impl=str(impl)).passed and len(started) == 2  # the rest came from behind
+    with pytest.raises(ValueError, match="no part 42c"):
+        check.run("ch42c", impl=str(impl))

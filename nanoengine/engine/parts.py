@@ -115,7 +115,6 @@ def assemble(plan: Any) -> EngineParts:
         backend = ch02.with_prompt_attention(backend, modules["ch02"])
     if "ch04" in modules:
         block_manager_class = ch04.block_manager_class(modules["ch04"])
-        scheduler_class = ch04.scheduler_class(modules["ch04"], scheduler_class)  # your admission pass (4.5)
     if "ch05" in modules:  # your whole scheduling step (5.2), which admits by itself
         scheduler_class = ch05.scheduler_class(modules["ch05"], scheduler_class)
         sampler = ch05.LearnerSampler(modules["ch05"], plan.seed)

@@ -8,7 +8,7 @@ of the engine runs unchanged around them:
 |---|---|---|
 | ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (norms, rotation); prompts' attention |
 | ch03 | slot mapping, attention metadata; K/V store, Triton decode, prefill | the input builder; a backend |
-| ch04 | chained block hashes, prefix lookup, freeing; admitting a prompt | a BlockManager, a Scheduler |
+| ch04 | chained block hashes, prefix lookup, freeing | a BlockManager |
 | ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
 | ch07 | a rank's rows of a weight; the parallel forwards, their collectives | every sharded layer's TPGroup |
@@ -19,7 +19,9 @@ This module is the selection: which chapters (`chapters_of`), from which folder 
 default `use_exercises()` sets, and `selected()`, which applies that default once, where an engine is built
 (nanoengine.launch), into a `PieceSelection` the plan asks capability questions of. It imports nothing from
 the engine. The adapters (`ch02.py` .. `ch10.py`, `learner.py`) wrap the learner's functions, and
-`nanoengine.engine.parts.assemble` builds the engine's components on them.
+`nanoengine.engine.parts.assemble` builds the engine's components on them. Chapter 11's engine of your own
+takes your 1.3 detokenizer (`ch01.py`) and your chapter 05 pieces (`your_engine.py`), is traced from outside
+(`traced.py`), and runs with every piece you have done (`all_pieces.py`).
 
 An untouched stub is an error naming its exercise when the engine is built, never a quiet fallback to the
 engine's code. In a notebook, `nanoengine.pieces.use_exercises("ch02")` makes every `LLM` built afterwards
@@ -42,7 +44,7 @@ CHAPTERS = {
     "ch02": "RMSNorm, RoPE and causal GQA attention in the model's forward",
     "ch03": "slot mapping and attention metadata, K/V store, paged decode (a Triton kernel; your 3.6 without "
             "triton) and prefill attention",
-    "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager; prompt admission",
+    "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager",
     "ch05": "the scheduling step with preemption, and the sampler",
     "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
     "ch07": "a rank's shard of each weight, and the column-, row- and vocab-parallel forwards with their "
@@ -57,7 +59,7 @@ PIECES = {
     "ch02": ("rms_norm", "apply_rope", "causal_gqa_attention"),
     "ch03": ("batch_slot_mapping", "attention_metadata", "store_kv", "paged_decode_kernel",
              "triton_paged_decode", "paged_prefill_attention"),
-    "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free", "admit_prompts"),
+    "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free"),
     "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
     "ch06": ("graph_buckets", "pick_bucket", "load_static", "StandInGraphs.__init__", "StandInGraphs.capture",
              "StandInGraphs.replay"),

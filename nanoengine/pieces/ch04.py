@@ -1,5 +1,5 @@
 """Chapter 04's pieces in the engine: a BlockManager whose chained block hashes (4.1), prefix-cache lookup
-(4.2) and freeing (4.4) are yours, and a Scheduler whose admission of a waiting prompt is your 4.5.
+(4.2) and freeing (4.4) are yours. (Admitting a prompt is chapter 05's 5.0; the scheduler stays the engine's.)
 
 The engine's BlockManager splits its work into the steps the exercises build: `chain_hashes` (the chained hash
 of a sequence's full blocks), `cached_prefix` (which leading blocks the cache holds) and `release` (drop a
@@ -7,8 +7,7 @@ table's references, tail first, onto the back of the LRU free list). This subcla
 your `prefix_block_hashes`, your `count_cached_tokens` over a read-only view of the engine's cache, and your
 `PrefixCachingAllocator.free` over the engine's own ref counts and free list. Allocating fresh blocks stays
 the engine's: it grows a sequence chunk by chunk and token by token, where your 4.3 allocates a whole prompt
-at once (the same steps; its tests compare them). The scheduler's admission pass asks your `admit_prompts`
-about each waiting sequence in turn (the engine keeps the rules around it: the sequence limit, n>1 siblings).
+at once (the same steps; its tests compare them).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from types import ModuleType
 
 from nanoengine.engine.block_manager import BlockManager
-from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence
 from nanoengine.errors import ExerciseError
 from nanoengine.pieces.learner import check_result, piece
@@ -103,18 +101,3 @@ def block_manager_class(module: ModuleType) -> type[BlockManager]:
             return freed
 
     return LearnerBlockManager
-
-
-def scheduler_class(module: ModuleType, base: type[Scheduler]) -> type[Scheduler]:
-    admit_prompts = piece(module, "admit_prompts", "ch04")
-
-    class LearnerAdmissionScheduler(base):
-        def admit(self, seq: Sequence, budget: int) -> int | None:
-            admitted = list(admit_prompts(self.block_manager, [seq], budget))
-            check_result(len(admitted) <= 1 and all(s is seq and isinstance(n, int) and 0 < n <= budget
-                                                    for s, n in admitted), admit_prompts,
-                         f"{admitted!r} for one waiting sequence and a budget of {budget}; it must return [] "
-                         "or [(seq, num_new_tokens)] with 0 < num_new_tokens <= budget")
-            return admitted[0][1] if admitted else None
-
-    return LearnerAdmissionScheduler

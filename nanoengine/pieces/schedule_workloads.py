@@ -13,12 +13,15 @@ from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.sampling_params import SamplingParams
 
-NB = "book/05_continuous_batching.ipynb"
+NB = "book/05a_admission.ipynb"  # chapter 05's first part: where() names the part that sets each exercise
 EOS = 7
 
 
 def where(exercise: str) -> str:
-    return f"(Exercise {exercise}; see {NB})"
+    from nanoengine.book import notebook_of
+
+    found = notebook_of(exercise)
+    return f"(Exercise {exercise}; see {f'book/{found.name}' if found else NB})"
 
 
 # ------------------------------------------------------------------------------------------ the fake model

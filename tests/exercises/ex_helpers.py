@@ -13,7 +13,12 @@ import torch
 
 
 def book(chapter_file: str, exercise: str) -> str:
-    return f"(Exercise {exercise}; see book/{chapter_file})"
+    """Where to read: the notebook that sets `exercise` (a chapter's part, nanoengine.book), else
+    `chapter_file`."""
+    from nanoengine.book import notebook_of
+
+    where = notebook_of(exercise)
+    return f"(Exercise {exercise}; see book/{where.name if where else chapter_file})"
 
 
 def _fmt(x: Any) -> str:

@@ -1,7 +1,8 @@
-"""Exercises of book/02_qwen3_forward.ipynb, checked against transformers' Qwen3 modules and nanoengine's
-layers on seeded random inputs. A wrong answer is also compared with the classic mistakes (the weight applied
-before the cast back, interleaved RoPE, `repeat` for GQA, q/k-norm after RoPE, the embedding as an untied
-model's LM head), so the message can say which one it looks like; each test also checks that it names them."""
+"""Exercises of chapter 02 (book/02a_layer_parts.ipynb .. 02b_layer_and_forward.ipynb), checked against
+transformers' Qwen3 modules and nanoengine's layers on seeded random inputs. A wrong answer is also compared
+with the classic mistakes (the weight applied before the cast back, interleaved RoPE, `repeat` for GQA,
+q/k-norm after RoPE, the embedding as an untied model's LM head), so the message can say which one it looks
+like; each test also checks that it names them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from nanoengine.models.hf_config import rope_theta
 
 CHAPTER = "ch02_qwen3_forward"
 pytestmark = pytest.mark.xdist_group("ex_ch02")
-NB = "02_qwen3_forward.ipynb"
+NB = "02a_layer_parts.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 
 
 def small_qwen3_config(num_heads=4, num_kv_heads=2, head_dim=16, layers=2, vocab=1000, tied=True):

@@ -1,6 +1,7 @@
-"""Exercises of book/03_paged_kv.ipynb, checked against nanoengine's InputBuilder (on every step of the real
-Scheduler over seeded workloads of what chapter 03 teaches: decodes and whole prompts, no prefix cache and a
-budget that never chunks) and torch attention backend (on seeded random caches). A wrong answer is
+"""Exercises of chapter 03 (book/03a_paged_blocks.ipynb .. 03d_triton_kernel.ipynb), checked against
+nanoengine's InputBuilder (on every step of the real Scheduler over seeded workloads of what chapter 03
+teaches: decodes and whole prompts, no prefix cache and a budget that never chunks) and torch attention
+backend (on seeded random caches). A wrong answer is
 also compared with the classic mistakes (writing slots a prefix-cache block holds, `repeat` for GQA, a causal
 mask not shifted by the cached prefix, ...), so the message can say which one it looks like; each test also
 checks that its own checker names them. Exercises 3.6 (online softmax over blocks, torch) and 3.8 (the same as a
@@ -28,7 +29,7 @@ from nanoengine.sampling_params import SamplingParams
 
 CHAPTER = "ch03_paged_kv"
 pytestmark = pytest.mark.xdist_group("ex_ch03")
-NB = "03_paged_kv.ipynb"
+NB = "03a_paged_blocks.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 
 
 # ------------------------------------------------------------------------------------------ batches

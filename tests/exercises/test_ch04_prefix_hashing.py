@@ -1,10 +1,11 @@
-"""Exercises of book/04_prefix_hashing.ipynb, checked against nanoengine's BlockManager (its chained
-xxhash, prefix matching, ref counts and LRU free list) and Scheduler (admission) on seeded random workloads.
-A wrong answer is also compared with the classic mistakes (the LRU ends swapped, a MemoryError check that
-forgets the cached free blocks a hit revives, blocks registered only after the step, no last-token
-recompute), so the message can say which one it looks like; each test also checks that it names them.
+"""Exercises of chapter 04 (book/04a_block_hashes.ipynb .. 04b_ref_counts.ipynb), checked against nanoengine's
+BlockManager (its chained xxhash, prefix matching, ref counts and LRU free list) on seeded random workloads. A
+wrong answer is also compared with the classic mistakes (the LRU ends swapped, a MemoryError check that
+forgets the cached free blocks a hit revives), so the message can say which one it looks like; each test also
+checks that it names them. (Admission, with its same-step sharing and last-token recompute, is chapter 05's
+5.0.)
 
-4.3-4.5 compare behaviour, not block ids: which prefixes the cache holds, how many tables share each, how
+4.3 and 4.4 compare behaviour, not block ids: which prefixes the cache holds, how many tables share each, how
 many blocks are free, and the order in which the free list would evict cached prefixes (a free block that
 holds no cached prefix is any such block: which one is taken is the allocator's business). Each table is
 checked against the allocator's own state (hit blocks are the cache's blocks for the prompt's hashes, ref
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,13 +24,12 @@ import pytest
 from ex_helpers import assert_detects, assert_equal, assert_same_list, book, with_hint
 
 from nanoengine.engine.block_manager import BlockManager
-from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence
 from nanoengine.sampling_params import SamplingParams
 
 CHAPTER = "ch04_prefix_hashing"
 pytestmark = pytest.mark.xdist_group("ex_ch04")
-NB = "04_prefix_hashing.ipynb"
+NB = "04a_block_hashes.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 
 
 def make_seq(tokens, bs):
@@ -490,142 +490,3 @@ def test_4_4_free_keeps_hashes_and_lru_order(ex):
         hits, revived = run_workload(ex.PrefixCachingAllocator, seed=seed, bs=bs, num_blocks=blocks, steps=250,
                                      free_prob=0.45, where=where)
         assert hits >= 10 and revived >= 3, f"the workload should revive freed cached blocks ({hits}, {revived})"
-
-
-# ------------------------------------------------------------------------------------------------- 4.5
-def engine_admit(bm: BlockManager, waiting: list, budget: int) -> list:
-    """The scheduler's admission pass over `waiting`, with nothing running: [(seq, num_new_tokens)]."""
-    sched = Scheduler(bm, set(), max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
-    sched.waiting = deque(waiting)
-    return [(s.seq, s.num_new_tokens) for s in sched.pick().scheduled]  # (the policy, before its commit)
-
-
-def variant_admit(bm: BlockManager, waiting: list, budget: int, mode: str) -> list:
-    admitted = []
-    for seq in waiting:
-        if budget <= 0:
-            break
-        hits = bm.match_prefix(seq)
-        seq.num_cached_tokens = hits
-        seq.num_computed_tokens = hits if mode == "no_recompute" else min(hits, seq.num_tokens - 1)
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not bm.can_allocate(seq, n):
-            if mode != "no_undo":
-                bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-            if mode == "skip_ahead":
-                continue
-            break
-        bm.allocate(seq, n)
-        if mode != "register_late":
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
-        admitted.append((seq, n))
-        budget -= n
-    return admitted
-
-
-ADMIT_MISTAKES = {
-    "register_late": "registering the blocks only after the step: call bm.cache_full_blocks(seq, "
-                     "seq.num_computed_tokens + n) right after allocating, so an identical prompt admitted later "
-                     "in the same step shares them instead of computing them again",
-    "no_recompute": "skipping a fully cached prompt's last token: it is always computed "
-                    "(num_computed_tokens = min(hits, num_tokens - 1)), or the step has no logits to sample from",
-    "skip_ahead": "trying the prompts after one that does not fit: stop there (first come, first served), so "
-                  "a long prompt is not overtaken forever by shorter ones",
-    "no_undo": "keeping the hit blocks of a prompt that does not fit: undo with bm.free(seq) and reset "
-               "num_computed_tokens and num_cached_tokens to 0",
-}
-
-
-def admit_case(case: int):
-    """A BlockManager with some cached prompts (some freed) and a waiting list, from a seed."""
-    rng = random.Random(450 + case)
-    bs = rng.choice([4, 8])
-    bm = BlockManager(rng.choice([12, 20, 60]), bs)
-    base = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 4) * bs)]  # whole blocks
-    old = []
-    for _ in range(rng.randint(0, 2)):  # earlier requests, one of them maybe finished
-        seq = make_seq(base[: rng.randint(1, len(base))] + [rng.randrange(10, 1000)] * rng.randint(0, bs), bs)
-        try:
-            engine_prefill(bm, seq)
-        except RuntimeError:
-            break
-        old.append(seq)
-    if old and rng.random() < 0.5:
-        bm.free(old.pop())
-    waiting = []
-    for _ in range(rng.randint(2, 5)):
-        r = rng.random()
-        if r < 0.35 or not waiting:
-            ids = list(base)  # the shared prompt again: same-step sharing, full hits
-        elif r < 0.6:
-            ids = list(waiting[-1].token_ids)  # the one before, again
-        elif r < 0.8:
-            ids = base + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 2 * bs))]
-        else:
-            ids = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 6 * bs))]
-        waiting.append(make_seq(ids, bs))
-    budget = rng.choice([8, 24, 64, 256])
-    if case % 4 == 0:  # a prompt the pool cannot hold now, then one it can: admission stops at the first
-        extra = [rng.randrange(10, 1000) for _ in range((bm.num_free_blocks + 1) * bs)]
-        waiting.insert(1, make_seq(base + extra, bs))  # it may hit the cached base first: undo that
-        waiting.append(make_seq([rng.randrange(10, 1000) for _ in range(bs)], bs))
-        budget = 4096
-    return bm, waiting, budget
-
-
-def admit_result(bm, waiting, admitted) -> dict:
-    """What admission did, without block ids: who is admitted with how many tokens, each sequence's counts and
-    table (as the cached prefix each of its blocks serves, or None), and the pool's behaviour."""
-    def served(b: int):
-        h = bm.blocks[b].hash
-        return h if h is not None and bm.hash_to_block_id.get(h) == b else None
-
-    return {"admitted (seq_id, num_new_tokens)": [(s.seq_id, n) for s, n in admitted],
-            "per waiting seq (num_computed_tokens, num_cached_tokens, the cached prefix of each block)":
-                {s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, [served(b) for b in s.block_table])
-                 for s in waiting},
-            **engine_behaviour(bm)}
-
-
-def check_admit(fn, where: str) -> None:
-    seen = {"same-step share": 0, "full hit": 0, "stopped": 0, "chunked": 0}
-    for case in range(40):
-        bm, waiting, budget = admit_case(case)
-        w_bm, w_waiting = copy.deepcopy((bm, waiting))
-        want_adm = engine_admit(w_bm, w_waiting, budget)
-        want = admit_result(w_bm, w_waiting, want_adm)
-        g_bm, g_waiting = copy.deepcopy((bm, waiting))
-        got_adm = fn(g_bm, list(g_waiting), budget)
-        got = admit_result(g_bm, g_waiting, list(got_adm) if isinstance(got_adm, (list, tuple)) else [])
-        before = (f"[case {case}: block_size {bm.block_size}, budget {budget}, {bm.num_free_blocks} of "
-                  f"{bm.num_blocks} blocks free, {len(bm.hash_to_block_id)} cached; waiting prompts of "
-                  f"{[s.num_tokens for s in waiting]} tokens]")
-        for key, value in want.items():
-            if got[key] != value:
-                hint = ""
-                for mode, description in ADMIT_MISTAKES.items():
-                    v_bm, v_waiting = copy.deepcopy((bm, waiting))
-                    if admit_result(v_bm, v_waiting, variant_admit(v_bm, v_waiting, budget, mode)) == got:
-                        hint += f" This looks like {description}."
-                raise AssertionError(f"{key} after admitting {before}: yours {got[key]!r}, expected {value!r}."
-                                     f"{hint} {where}")
-        ids = [s.seq_id for s, _ in want_adm]
-        tokens = [tuple(s.token_ids) for s in waiting]
-        seen["same-step share"] += any(tokens[i] == tokens[j] and w_waiting[j].num_cached_tokens > 0
-                                       and waiting[i].seq_id in ids and waiting[j].seq_id in ids
-                                       for i in range(len(waiting)) for j in range(i + 1, len(waiting)))
-        seen["full hit"] += any(s.num_cached_tokens == s.num_tokens for s, _ in want_adm)
-        seen["stopped"] += len(want_adm) < len(waiting) and bool(want_adm)
-        seen["chunked"] += any(s.num_computed_tokens + n < s.num_tokens for s, n in want_adm)
-    assert all(seen.values()), f"test bug: the cases should cover every rule: {seen}"
-
-
-def test_4_5_same_step_sharing_and_last_token_recompute(ex):
-    where = book(NB, "4.5")
-    check_admit(ex.admit_prompts, where)
-    for mode, description in ADMIT_MISTAKES.items():
-        def wrong(bm, waiting, budget, mode=mode):
-            return variant_admit(bm, waiting, budget, mode)
-        wrong.__name__ = mode
-        assert_detects(lambda fn: check_admit(fn, where), wrong, description)

@@ -1,17 +1,21 @@
-"""Exercises of book/05_continuous_batching.ipynb. 5.1, 5.2 and 5.6 are judged on behaviour only (tokens against
-an oracle, the block books after every step, the rules the book states, outcomes under a tight pool, a bound
-on the steps), so a different correct policy passes; 5.3 is the engine's input layout (FlatBatch is defined
-as that layout) and 5.4/5.5 are judged on what they compute and draw. A 5.3 or 5.4 mismatch is also compared
-with the classic wrong answers (positions from zero, top-p before top-k, ...) so the message can say which one
-it looks like."""
+"""Exercises of chapter 05 (book/05a_admission.ipynb .. 05d_sampling_and_loop.ipynb). 5.0 is compared with the
+engine's own admission pass on seeded pools (what it admits, each sequence's counts, the cached prefixes each
+table holds), and a mismatch with its classic mistakes. 5.1, 5.2 and 5.6 are judged on behaviour only (tokens
+against an oracle, the block books after every step, the rules the book states, outcomes under a tight pool, a
+bound on the steps), so a different correct policy passes; 5.3 is the engine's input layout (FlatBatch is
+defined as that layout) and 5.4/5.5 are judged on what they compute and draw. A 5.3 or 5.4 mismatch is also
+compared with the classic wrong answers (positions from zero, top-p before top-k, ...) so the message can say
+which one it looks like."""
 
 from __future__ import annotations
 
+import copy
 import random
+from collections import deque
 
 import pytest
 import torch
-from ex_helpers import assert_equal, book
+from ex_helpers import assert_detects, assert_equal, book
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
@@ -22,7 +26,7 @@ from nanoengine.sampling_params import SamplingParams
 
 CHAPTER = "ch05_continuous_batching"
 pytestmark = pytest.mark.xdist_group("ex_ch05")
-NB = "05_continuous_batching.ipynb"
+NB = "05a_admission.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 EOS = 7
 
 
@@ -121,6 +125,173 @@ WORKLOADS = [  # seed, num_blocks, block_size, budget, max_num_seqs, max prompt,
     (52, 14, 4, 16, 4, 26, 16, 80),  # small pool: preemption, admission stopped at a request that does not fit
     (53, 24, 8, 32, 5, 60, 24, 50),
 ]
+
+
+# ------------------------------------------------------------------------------------------------- 5.0
+def make_seq(tokens, bs):
+    return Sequence(list(tokens), SamplingParams(), bs)
+
+
+def engine_prefill(bm: BlockManager, seq: Sequence) -> int:
+    """Admit and compute a whole prompt the way the scheduler and model runner do; return hit tokens."""
+    hits = bm.match_prefix(seq)
+    seq.num_cached_tokens = hits
+    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # the last token is always recomputed
+    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return hits
+
+
+def engine_behaviour(bm: BlockManager) -> dict:
+    """What a block pool does, without its block ids: the cached prefixes (hashes), how many tables hold
+    each, the number of free blocks, and the order in which allocation would evict cached prefixes (each free
+    block as the prefix it still serves, or None when it serves none)."""
+    serves = [bm.blocks[b].hash if bm.blocks[b].hash is not None
+              and bm.hash_to_block_id.get(bm.blocks[b].hash) == b else None for b in bm.free_block_ids]
+    return {"cached prefixes": sorted(bm.hash_to_block_id),
+            "tables sharing each cached prefix": {h: bm.blocks[b].ref_count
+                                                  for h, b in sorted(bm.hash_to_block_id.items())},
+            "free blocks": len(bm.free_block_ids),
+            "eviction order (free list, front first: the cached prefix each block serves, or None)": serves}
+
+
+def engine_admit(bm: BlockManager, waiting: list, budget: int) -> list:
+    """The scheduler's admission pass over `waiting`, with nothing running: [(seq, num_new_tokens)]."""
+    sched = Scheduler(bm, set(), max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1, max_model_len=4096)
+    sched.waiting = deque(waiting)
+    return [(s.seq, s.num_new_tokens) for s in sched.pick().scheduled]  # (the policy, before its commit)
+
+
+def variant_admit(bm: BlockManager, waiting: list, budget: int, mode: str) -> list:
+    admitted = []
+    for seq in waiting:
+        if budget <= 0:
+            break
+        hits = bm.match_prefix(seq)
+        seq.num_cached_tokens = hits
+        seq.num_computed_tokens = hits if mode == "no_recompute" else min(hits, seq.num_tokens - 1)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.can_allocate(seq, n):
+            if mode != "no_undo":
+                bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+            if mode == "skip_ahead":
+                continue
+            break
+        bm.allocate(seq, n)
+        if mode != "register_late":
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        admitted.append((seq, n))
+        budget -= n
+    return admitted
+
+
+ADMIT_MISTAKES = {
+    "register_late": "registering the blocks only after the step: call bm.cache_full_blocks(seq, "
+                     "seq.num_computed_tokens + n) right after allocating, so an identical prompt admitted later "
+                     "in the same step shares them instead of computing them again",
+    "no_recompute": "skipping a fully cached prompt's last token: it is always computed "
+                    "(num_computed_tokens = min(hits, num_tokens - 1)), or the step has no logits to sample from",
+    "skip_ahead": "trying the prompts after one that does not fit: stop there (first come, first served), so "
+                  "a long prompt is not overtaken forever by shorter ones",
+    "no_undo": "keeping the hit blocks of a prompt that does not fit: undo with bm.free(seq) and reset "
+               "num_computed_tokens and num_cached_tokens to 0",
+}
+
+
+def admit_case(case: int):
+    """A BlockManager with some cached prompts (some freed) and a waiting list, from a seed."""
+    rng = random.Random(450 + case)  # (the seeds of the cases this test had as chapter 04's 4.5)
+    bs = rng.choice([4, 8])
+    bm = BlockManager(rng.choice([12, 20, 60]), bs)
+    base = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 4) * bs)]  # whole blocks
+    old = []
+    for _ in range(rng.randint(0, 2)):  # earlier requests, one of them maybe finished
+        seq = make_seq(base[: rng.randint(1, len(base))] + [rng.randrange(10, 1000)] * rng.randint(0, bs), bs)
+        try:
+            engine_prefill(bm, seq)
+        except RuntimeError:
+            break
+        old.append(seq)
+    if old and rng.random() < 0.5:
+        bm.free(old.pop())
+    waiting = []
+    for _ in range(rng.randint(2, 5)):
+        r = rng.random()
+        if r < 0.35 or not waiting:
+            ids = list(base)  # the shared prompt again: same-step sharing, full hits
+        elif r < 0.6:
+            ids = list(waiting[-1].token_ids)  # the one before, again
+        elif r < 0.8:
+            ids = base + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 2 * bs))]
+        else:
+            ids = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 6 * bs))]
+        waiting.append(make_seq(ids, bs))
+    budget = rng.choice([8, 24, 64, 256])
+    if case % 4 == 0:  # a prompt the pool cannot hold now, then one it can: admission stops at the first
+        extra = [rng.randrange(10, 1000) for _ in range((bm.num_free_blocks + 1) * bs)]
+        waiting.insert(1, make_seq(base + extra, bs))  # it may hit the cached base first: undo that
+        waiting.append(make_seq([rng.randrange(10, 1000) for _ in range(bs)], bs))
+        budget = 4096
+    return bm, waiting, budget
+
+
+def admit_result(bm, waiting, admitted) -> dict:
+    """What admission did, without block ids: who is admitted with how many tokens, each sequence's counts and
+    table (as the cached prefix each of its blocks serves, or None), and the pool's behaviour."""
+    def served(b: int):
+        h = bm.blocks[b].hash
+        return h if h is not None and bm.hash_to_block_id.get(h) == b else None
+
+    return {"admitted (seq_id, num_new_tokens)": [(s.seq_id, n) for s, n in admitted],
+            "per waiting seq (num_computed_tokens, num_cached_tokens, the cached prefix of each block)":
+                {s.seq_id: (s.num_computed_tokens, s.num_cached_tokens, [served(b) for b in s.block_table])
+                 for s in waiting},
+            **engine_behaviour(bm)}
+
+
+def check_admit(fn, where: str) -> None:
+    seen = {"same-step share": 0, "full hit": 0, "stopped": 0, "chunked": 0}
+    for case in range(40):
+        bm, waiting, budget = admit_case(case)
+        w_bm, w_waiting = copy.deepcopy((bm, waiting))
+        want_adm = engine_admit(w_bm, w_waiting, budget)
+        want = admit_result(w_bm, w_waiting, want_adm)
+        g_bm, g_waiting = copy.deepcopy((bm, waiting))
+        got_adm = fn(g_bm, list(g_waiting), budget)
+        got = admit_result(g_bm, g_waiting, list(got_adm) if isinstance(got_adm, (list, tuple)) else [])
+        before = (f"[case {case}: block_size {bm.block_size}, budget {budget}, {bm.num_free_blocks} of "
+                  f"{bm.num_blocks} blocks free, {len(bm.hash_to_block_id)} cached; waiting prompts of "
+                  f"{[s.num_tokens for s in waiting]} tokens]")
+        for key, value in want.items():
+            if got[key] != value:
+                hint = ""
+                for mode, description in ADMIT_MISTAKES.items():
+                    v_bm, v_waiting = copy.deepcopy((bm, waiting))
+                    if admit_result(v_bm, v_waiting, variant_admit(v_bm, v_waiting, budget, mode)) == got:
+                        hint += f" This looks like {description}."
+                raise AssertionError(f"{key} after admitting {before}: yours {got[key]!r}, expected {value!r}."
+                                     f"{hint} {where}")
+        ids = [s.seq_id for s, _ in want_adm]
+        tokens = [tuple(s.token_ids) for s in waiting]
+        seen["same-step share"] += any(tokens[i] == tokens[j] and w_waiting[j].num_cached_tokens > 0
+                                       and waiting[i].seq_id in ids and waiting[j].seq_id in ids
+                                       for i in range(len(waiting)) for j in range(i + 1, len(waiting)))
+        seen["full hit"] += any(s.num_cached_tokens == s.num_tokens for s, _ in want_adm)
+        seen["stopped"] += len(want_adm) < len(waiting) and bool(want_adm)
+        seen["chunked"] += any(s.num_computed_tokens + n < s.num_tokens for s, n in want_adm)
+    assert all(seen.values()), f"test bug: the cases should cover every rule: {seen}"
+
+
+def test_5_0_admission_shares_in_the_step_and_recomputes_the_last_token(ex):
+    where = book(NB, "5.0")
+    check_admit(ex.admit_prompts, where)
+    for mode, description in ADMIT_MISTAKES.items():
+        def wrong(bm, waiting, budget, mode=mode):
+            return variant_admit(bm, waiting, budget, mode)
+        wrong.__name__ = mode
+        assert_detects(lambda fn: check_admit(fn, where), wrong, description)
 
 
 # ------------------------------------------------------------------------------------------------- 5.1

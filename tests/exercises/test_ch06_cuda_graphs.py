@@ -1,8 +1,9 @@
-"""Exercises of book/06_cuda_graphs.ipynb, checked against nanoengine's own decode graphs (engine/graphs.py:
-batch_buckets, DecodeGraphs.bucket_for and .load) on seeded decode batches (6.2: the step's rows exactly, the
-padding rows by what they must not do), 6.3 against tiny-qwen3's eager forward (its hidden states and the KV
-cache it leaves), 6.4 against nanoengine.viz.overhead.count_ops, and 6.5 against a host-side oracle and an
-engine that overlaps its steps (async_scheduling) on the learner's function, compared with one that does not."""
+"""Exercises of chapter 06 (book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb), checked against
+nanoengine's own decode graphs (engine/graphs.py: batch_buckets, DecodeGraphs.bucket_for and .load) on seeded
+decode batches (6.2: the step's rows exactly, the padding rows by what they must not do), 6.3 against tiny-
+qwen3's eager forward (its hidden states and the KV cache it leaves), 6.4 against
+nanoengine.viz.overhead.count_ops, and 6.5 against a host-side oracle and an engine that overlaps its steps
+(async_scheduling) on the learner's function, compared with one that does not."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from nanoengine.viz import overhead
 
 CHAPTER = "ch06_cuda_graphs"
 pytestmark = pytest.mark.xdist_group("ex_ch06")
-NB = "06_cuda_graphs.ipynb"
+NB = "06a_step_cost.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 SIZES = [*range(1, 41), 63, 64, 65, 100, 255, 256, 257, 511, 512, 513, 4096]
 
 

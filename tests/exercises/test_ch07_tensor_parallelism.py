@@ -1,9 +1,9 @@
-"""Exercises of book/07_tensor_parallelism.ipynb. 7.1-7.4 are checked against the shards nanoengine's own
-tensor-parallel layers load (MergedLinear, RowParallelLinear, Embedding with a TPGroup), rank by rank, in one
-process: a stand-in group whose collectives return this rank's part is enough to read what each rank holds.
-7.5-7.7 run on two real gloo processes (one spawn for the module, ch07_ranks.py) and are compared with the
-whole, unsharded layer in float64; planted classic mistakes check that each failure message names its
-mistake."""
+"""Exercises of chapter 07 (book/07a_sharding.ipynb, 07b_real_ranks.ipynb). 7.1-7.4 are checked against the
+shards nanoengine's own tensor-parallel layers load (MergedLinear, RowParallelLinear, Embedding with a
+TPGroup), rank by rank, in one process: a stand-in group whose collectives return this rank's part is enough
+to read what each rank holds. 7.5-7.7 run on two real gloo processes (one spawn for the module, ch07_ranks.py)
+and are compared with the whole, unsharded layer in float64; planted classic mistakes check that each failure
+message names its mistake."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from nanoengine.layers.tp_group import TPGroup
 
 CHAPTER = "ch07_tensor_parallelism"
 pytestmark = pytest.mark.xdist_group("ex_ch07")
-NB = "07_tensor_parallelism.ipynb"
+NB = "07a_sharding.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
 
 
 class OneRank(TPGroup):
