@@ -1,8 +1,8 @@
-# Your exercises for book/11_your_engine.ipynb -- this file is yours to edit.
+# Your exercises for book/11a_requests_in.ipynb, 11b_one_step.ipynb, 11c_served_and_measured.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch11")`, from nanoengine.check) or: pytest tests/exercises/test_ch11_your_engine.py
 # Generated from solutions/ch11_your_engine.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
-"""Chapter 11, book/11_your_engine.ipynb: your engine, end to end.
+"""Chapter 11, book/11a_requests_in.ipynb .. 11c_served_and_measured.ipynb: your engine, end to end.
 
 Exercise 11.1: a request in: your engine's state, then text (or token ids) to a queued request.
 Exercise 11.2: one step of your engine: your chapter 05 pieces, tokens out as text deltas, stop strings.
@@ -51,7 +51,7 @@ class MyEngine:
         whatever you keep lets `step` find, for each sequence, its request and completion, and for a seeded
         one its own generator.
         """
-        raise NotImplementedError("Exercise 11.1: your engine's state, over `parts` - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.1: your engine's state, over `parts` - see book/11a_requests_in.ipynb")
 
     def make_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
                      final_only: bool = False) -> Request:
@@ -64,7 +64,7 @@ class MyEngine:
         each completion's text is made by your chapter 01 detokenizer (a Completion reads its `detokenizer`:
         give it `self.detokenizer(skip_special_tokens)`).
         """
-        raise NotImplementedError("Exercise 11.1: a checked Request for `prompt` (text, token ids or a vLLM-style dict), not queued - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.1: a checked Request for `prompt` (text, token ids or a vLLM-style dict), not queued - see book/11a_requests_in.ipynb")
 
     def add(self, request: Request) -> None:
         """Exercise 11.1: queue a request made by make_request.
@@ -73,7 +73,7 @@ class MyEngine:
         completion i draws from its own generator seeded `seed + i` (vLLM's rule), the others from the shared
         one; `step` can find each sequence's request and completion.
         """
-        raise NotImplementedError("Exercise 11.1: queue a request made by make_request - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.1: queue a request made by make_request - see book/11a_requests_in.ipynb")
 
     def step(self) -> StepResult:
         """Exercise 11.2: one step of your engine: what it sampled, the text it made, what it finished.
@@ -93,28 +93,28 @@ class MyEngine:
         - your chapter 05 loop inside: the model runs every step (also one that samples nothing), each
           scheduled sequence's tokens count as computed once, each sampled row goes to its own sequence.
         """
-        raise NotImplementedError("Exercise 11.2: one step of your engine: what it sampled, the text it made, what it finished - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.2: one step of your engine: what it sampled, the text it made, what it finished - see book/11b_one_step.ipynb")
 
     def abort(self, request_id: str) -> None:
         """Exercise 11.3: forget a request.
 
         What must hold: every completion of it still running or waiting finishes with "abort", its blocks go
         back, its generator is forgotten; an unknown or finished request id changes nothing."""
-        raise NotImplementedError("Exercise 11.3: forget a request - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.3: forget a request - see book/11c_served_and_measured.ipynb")
 
     def has_unfinished(self) -> bool:
         """Exercise 11.3: whether `step` has work (a sequence running or waiting)."""
-        raise NotImplementedError("Exercise 11.3: whether `step` has work (a sequence running or waiting) - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.3: whether `step` has work (a sequence running or waiting) - see book/11c_served_and_measured.ipynb")
 
     def load(self) -> EngineLoad:
         """Exercise 11.3: how busy your engine is.
 
         Out: EngineLoad(running sequences, waiting ones, KV blocks in use, KV blocks in all)."""
-        raise NotImplementedError("Exercise 11.3: how busy your engine is - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.3: how busy your engine is - see book/11c_served_and_measured.ipynb")
 
     def close(self) -> None:
         """Exercise 11.3: let go of every request (each unfinished one is aborted)."""
-        raise NotImplementedError("Exercise 11.3: let go of every request (each unfinished one is aborted) - see book/11_your_engine.ipynb")
+        raise NotImplementedError("Exercise 11.3: let go of every request (each unfinished one is aborted) - see book/11c_served_and_measured.ipynb")
 
 
 def make_engine(model: str = "tiny-qwen3", **options: Any) -> MyEngine:

@@ -68,6 +68,14 @@ def notebook_of(exercise: str, book: Path | None = None) -> Path | None:
     return None
 
 
+def see(exercise: str, fallback: str | None = None) -> str:
+    """"(Exercise 3.4; see book/03b_paged_attention.ipynb)": where a message sends the learner (the notebook
+    that sets the exercise; `fallback`, a notebook's name, where no notebook has its heading)."""
+    found = notebook_of(exercise)
+    name = found.name if found else fallback
+    return f"(Exercise {exercise}; see book/{name})" if name else f"(Exercise {exercise})"
+
+
 def part_exercises(part: str, book: Path | None = None) -> list[str]:
     """The exercises set in one part ("03b"), or in every notebook of a chapter ("03")."""
     m = re.fullmatch(r"(\d{1,2})([a-z]?)", part)

@@ -1,4 +1,4 @@
-"""Chapter 11, book/11_your_engine.ipynb: your engine, end to end.
+"""Chapter 11, book/11a_requests_in.ipynb .. 11c_served_and_measured.ipynb: your engine, end to end.
 
 Exercise 11.1: a request in: your engine's state, then text (or token ids) to a queued request.
 Exercise 11.2: one step of your engine: your chapter 05 pieces, tokens out as text deltas, stop strings.

@@ -8,20 +8,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from nanoengine.book import see
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.sampling_params import SamplingParams
 
-NB = "book/05a_admission.ipynb"  # chapter 05's first part: where() names the part that sets each exercise
 EOS = 7
 
 
 def where(exercise: str) -> str:
-    from nanoengine.book import notebook_of
-
-    found = notebook_of(exercise)
-    return f"(Exercise {exercise}; see {f'book/{found.name}' if found else NB})"
+    return see(exercise, "05a_admission.ipynb")
 
 
 # ------------------------------------------------------------------------------------------ the fake model

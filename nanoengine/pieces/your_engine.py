@@ -18,17 +18,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from nanoengine.book import see
 from nanoengine.engine.protocol import METHODS
 from nanoengine.pieces.ch01 import YourDetokenizer
 from nanoengine.pieces.own_engine import ModelParts, transformers_greedy
 from nanoengine.pieces.schedule_checks import time_limit
 from nanoengine.sampling_params import SamplingParams
 
-NB = "book/11_your_engine.ipynb"
-
 
 def where(exercise: str) -> str:
-    return f"(Exercise {exercise}; see {NB})"
+    return see(exercise, "11a_requests_in.ipynb")
 
 
 def check_protocol(engine_class: type, parts: ModelParts) -> Any:

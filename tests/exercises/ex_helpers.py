@@ -15,10 +15,9 @@ import torch
 def book(chapter_file: str, exercise: str) -> str:
     """Where to read: the notebook that sets `exercise` (a chapter's part, nanoengine.book), else
     `chapter_file`."""
-    from nanoengine.book import notebook_of
+    from nanoengine.book import see
 
-    where = notebook_of(exercise)
-    return f"(Exercise {exercise}; see book/{where.name if where else chapter_file})"
+    return see(exercise, chapter_file)
 
 
 def _fmt(x: Any) -> str:

@@ -1,5 +1,5 @@
-"""Exercises of book/11_your_engine.ipynb: your engine, end to end, judged on behaviour through the engine
-protocol (nanoengine/pieces/your_engine.py): requests made and refused, greedy tokens against transformers on
+"""Exercises of chapter 11 (book/11a_requests_in.ipynb .. 11c_served_and_measured.ipynb): your engine, end to
+end, judged on behaviour through the engine protocol (nanoengine/pieces/your_engine.py): requests made and refused, greedy tokens against transformers on
 text prompts you did not choose, the text and its streamed deltas, stop strings, seeded n = 2, abort, and
 `LLM.from_engine`; each run bounded in steps and each check in time."""
 
