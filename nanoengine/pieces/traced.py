@@ -158,5 +158,5 @@ class TracedEngine:
 
 def traced(engine: Any, block_manager: Any = None) -> TracedEngine:
     """`engine` with step traces: `LLM.from_engine(traced(engine))` records a RunTrace of each generate in
-    `llm.trace`, for the widgets of nanoengine.viz."""
+    `llm.trace`, for the step-trace widgets (viz/)."""
     return TracedEngine(engine, block_manager)
