@@ -28,9 +28,12 @@ temporary name and renamed, so processes starting together (tensor-parallel rank
 of one. The choice is printed once, when measured; `dtype=` given explicitly measures nothing.
 
 `prefill_choice` does the same for the opt-in prefill_dtype="bfloat16" (a bf16 checkpoint run in float32):
-it times one decoder layer's linears at `PREFILL_ROWS` rows in float32 against bf16 activations times bf16
-weights through torch's matmul (oneDNN; AMX tiles where the CPU has them), keeps the answer beside the
-dtype choice (`prefill-<key>.json`), and the plan uses bf16 for prefill only where it measured faster.
+it times one decoder layer's linears at each of `ROW_SIZES` rows through the path the plan would run them on
+(the C++ bf16_linear with the bf16 copies up to their rows, float32 above) against bf16 activations times
+oneDNN-packed bf16 weights (torch's matmul; AMX tiles where the CPU has them), keeps the times beside the
+dtype choice (`bf16rows<rows>-<key>.json`), and the plan sends batches of more rows than the measured
+threshold (`row_threshold`: bf16 clearly faster there and at every larger size) to bf16, decode steps
+included (the fused step's C++ `Linear` takes the same threshold); nowhere if bf16 never measured faster.
 """
 
 from __future__ import annotations
@@ -125,20 +128,8 @@ def read_cached(path: Path, candidates: Sequence[str]) -> DtypeChoice | None:
 
 def write_cached(path: Path, choice: DtypeChoice) -> None:
     """Write the file whole under a temporary name, then rename it (atomic on one file system)."""
-    record = {"dtype": choice.dtype, "ms_per_step": dict(choice.ms_per_step), "key": path.stem,
-              "stand_in": {"vocab": STAND_IN_VOCAB, "context": CONTEXT, "rows": ROWS}}
-    tmp: Path | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home: the choice stands for this process, and is measured next time
-        warnings.warn(f"nanoengine: could not keep the dtype choice in {path} ({e})", stacklevel=2)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+    write_record(path, {"dtype": choice.dtype, "ms_per_step": dict(choice.ms_per_step), "key": path.stem,
+                        "stand_in": {"vocab": STAND_IN_VOCAB, "context": CONTEXT, "rows": ROWS}})
 
 
 def choose(candidates: Sequence[Candidate], hf_config: Any, rule: str,
@@ -295,62 +286,114 @@ def best_time(fn: Callable[[], Any], between: Callable[[], Any] = lambda: None) 
     return min(times)
 
 
-# ------------------------------------------------------------------------------------------ prefill GEMM
+# ------------------------------------------------------------------------------------------ bf16 rows
 
-PREFILL_ROWS = 128  # rows of the timed prefill linears: a small prompt chunk (2 x BF16_PREFILL_MIN_ROWS)
+# rows at which prefill_choice times one layer's linears: decode batches (1..256 streams) and prefill chunks
+ROW_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# bf16 must take at most this share of the other path's time to be taken: rounding the activations costs
+# accuracy, so a near tie keeps float32 activations (on a Xeon with AMX, 1 thread, SmolLM2: 0.97 at 4 rows
+# and 0.92 at 8 timed alone, while whole decode steps of 4 and 8 streams ran 9-15% slower in bf16; 0.49 at
+# 16 rows, where the whole step ran 1.5x faster)
+BF16_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
 class PrefillChoice:
-    bf16_faster: bool
+    """Batches of more than `min_rows` rows multiply bf16 activations (None: bf16 was never the faster)."""
+    min_rows: int | None
     source: str  # MEASURED or CACHED
-    ms_per_layer: tuple[tuple[str, float], ...]  # ("float32" | "bfloat16", ms of one layer's linears)
+    ms_by_rows: tuple[tuple[int, float, float], ...]  # (rows, ms of the plan's own path, ms in bf16), a layer
+
+    @property
+    def bf16_faster(self) -> bool:
+        return self.min_rows is not None
 
 
-def prefill_choice(hf_config: Any, measure_with: Callable[[Any], dict[str, float]] | None = None
+def row_threshold(ms_by_rows: Sequence[tuple[int, float, float]]) -> int | None:
+    """From (rows, ms of the plan's path, ms in bf16) at increasing rows: the rows above which bf16 is taken,
+    R - 1 for the smallest measured R where bf16 was clearly faster (under BF16_MARGIN of the other's time)
+    there and at every larger size measured (one size in between where it was not keeps the smaller sizes on
+    the plan's path); None where bf16 was not clearly faster at the largest size."""
+    threshold = None
+    for rows, base, bf16 in sorted(ms_by_rows, reverse=True):
+        if bf16 >= BF16_MARGIN * base:
+            break
+        threshold = rows - 1
+    return threshold
+
+
+def prefill_choice(hf_config: Any, bf16_rows: int,
+                   measure_with: Callable[[Any, int], list[tuple[int, float, float]]] | None = None
                    ) -> PrefillChoice:
-    """Whether bf16 activations x bf16 weights (torch's matmul) beat float32 for one layer's linears at
-    PREFILL_ROWS rows on this machine: measured once (`measure_prefill`) and kept, as `choose` keeps its."""
-    path = cache_path(hf_config).with_name(f"prefill{PREFILL_ROWS}-{cache_key(hf_config)}.json")
+    """The row threshold above which bf16 activations x bf16 weights (oneDNN) beat the linears' own path on
+    this machine (the C++ bf16_linear up to `bf16_rows` rows, float32 above): measured once at ROW_SIZES
+    (`measure_prefill`) and kept, as `choose` keeps its choice."""
+    path = cache_path(hf_config).with_name(f"bf16rows{bf16_rows}-{cache_key(hf_config)}.json")
     try:
         data = json.loads(path.read_text())
-        ms = {k: float(data["ms_per_step"][k]) for k in ("float32", "bfloat16")}  # (write_cached's record)
-        return PrefillChoice(ms["bfloat16"] < ms["float32"], CACHED, tuple(ms.items()))
+        ms = [(int(r), float(a), float(b)) for r, a, b in data["ms_by_rows"]]
+        if sorted(r for r, _, _ in ms) != sorted(ROW_SIZES):
+            raise ValueError("other row sizes")
+        return PrefillChoice(row_threshold(ms), CACHED, tuple(ms))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    ms = (measure_with or measure_prefill)(hf_config)
-    choice = PrefillChoice(ms["bfloat16"] < ms["float32"], MEASURED,
-                           tuple((k, round(ms[k], 4)) for k in ("float32", "bfloat16")))
-    write_cached(path, DtypeChoice("bfloat16" if choice.bf16_faster else "float32", MEASURED,
-                                   choice.ms_per_layer))
-    print(f"nanoengine: prefill_dtype='bfloat16' timed one layer's linears at {PREFILL_ROWS} rows on this "
-          f"CPU (float32 {ms['float32']:.2f} ms, bfloat16 {ms['bfloat16']:.2f} ms): prefill in "
-          f"{'bfloat16' if choice.bf16_faster else 'float32'} (kept in {path.parent})", file=sys.stderr,
-          flush=True)
+    ms = [(int(r), round(float(a), 4), round(float(b), 4))
+          for r, a, b in (measure_with or measure_prefill)(hf_config, bf16_rows)]
+    choice = PrefillChoice(row_threshold(ms), MEASURED, tuple(ms))
+    write_record(path, {"min_rows": choice.min_rows, "ms_by_rows": [list(m) for m in ms], "key": path.stem})
+    where = ("never faster: prefill stays in float32" if choice.min_rows is None
+             else f"batches of over {choice.min_rows} rows in bfloat16")
+    print(f"nanoengine: prefill_dtype='bfloat16' timed one layer's linears at {ROW_SIZES[0]}.."
+          f"{ROW_SIZES[-1]} rows on this CPU: {where} (kept in {path.parent})", file=sys.stderr, flush=True)
     return choice
 
 
-def measure_prefill(hf_config: Any) -> dict[str, float]:
-    """Milliseconds of one decoder layer's linears (merged q/k/v, o, merged gate/up, down) over PREFILL_ROWS
-    rows: float32, and bf16 activations x bf16 weights cast back to float32 (as layers.linear runs them)."""
+def write_record(path: Path, record: dict) -> None:
+    """`record` as JSON in `path`, written whole under a temporary name and renamed."""
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the choice stands for this process, and is measured next time
+        warnings.warn(f"nanoengine: could not keep a measured choice in {path} ({e})", stacklevel=2)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def measure_prefill(hf_config: Any, bf16_rows: int) -> list[tuple[int, float, float]]:
+    """(rows, ms, ms) of one decoder layer's linears (merged q/k/v, o, merged gate/up, down) at each of
+    ROW_SIZES rows: through the path the plan runs them on otherwise (the C++ bf16_linear up to `bf16_rows`
+    rows, float32 above), and through bf16 activations x oneDNN-packed bf16 weights cast back to float32 (the
+    C++ onednn_bf16_linear, as layers.linear and the fused step run it). Needs the C++ kernels built."""
     import torch.nn.functional as F
 
+    from nanoengine.kernels import cpu as cpu_kernels
+
+    kernels = cpu_kernels.load()
     hidden, q = hf_config.hidden_size, hf_config.num_attention_heads * shapes.head_dim(hf_config)
     kv = shapes.num_kv_heads(hf_config) * shapes.head_dim(hf_config)
     inter = hf_config.intermediate_size
     gen = torch.Generator().manual_seed(0)
     shapes_ = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
     w32 = [(torch.randn(s, generator=gen) * 0.02).bfloat16().float() for s in shapes_]
-    w16 = [w.bfloat16() for w in w32]
-    xs = [torch.randn(PREFILL_ROWS, s[1], generator=gen) for s in shapes_]
+    packed = [kernels.bf16_pack(w) for w in w32]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in w32]
+    def own(xs: list[torch.Tensor]) -> None:
+        for x, w, p, s in zip(xs, w32, packed, shapes_):
+            kernels.bf16_linear(x, p, None, s[0]) if x.shape[0] <= bf16_rows else F.linear(x, w)
 
-    def f32() -> None:
-        for x, w in zip(xs, w32):
-            F.linear(x, w)
+    def bf16(xs: list[torch.Tensor]) -> None:
+        for x, w in zip(xs, onednn):
+            kernels.onednn_bf16_linear(x, w)
 
-    def bf16() -> None:
-        for x, w in zip(xs, w16):
-            F.linear(x.bfloat16(), w).float()
-
+    out = []
     with torch.inference_mode():
-        return {"float32": 1e3 * best_time(f32), "bfloat16": 1e3 * best_time(bf16)}
+        for rows in ROW_SIZES:
+            xs = [torch.randn(rows, s[1], generator=gen) for s in shapes_]
+            ms_own, ms_bf16 = best_time(lambda xs=xs: own(xs)), best_time(lambda xs=xs: bf16(xs))
+            out.append((rows, 1e3 * ms_own, 1e3 * ms_bf16))
+    return out

@@ -26,9 +26,11 @@ checked, and an option that cannot work here is an error saying why and what wou
   graph); the graphs' CPU stand-in with graph_stand_in=True (or the learner's stand-in graphs); on CPU with
   the `cpu` backend the whole layer stack in one C++ call; else eager;
 - prefill_dtype="bfloat16" (opt-in): for a bf16 checkpoint run in float32 on CPU with bf16 weight copies and
-  oneDNN bf16, linears over more than linear.BF16_PREFILL_MIN_ROWS rows (prefill) multiply bf16 activations by
-  bf16 weights, where that measured faster than float32 on this machine (`dtype_choice.prefill_choice`, kept
-  like the dtype); else they stay float32, with a warning saying so;
+  oneDNN bf16, linears over more rows than a threshold measured on this machine (`prefill_dtype_min_rows`,
+  `dtype_choice.prefill_choice`, kept like the dtype: the smallest batch from which bf16 timed faster than the
+  bf16 copies' kernel or float32) multiply bf16 activations by oneDNN-packed bf16 weights: prefill chunks, and
+  decode steps of that many streams (the fused step takes the same threshold); where bf16 never measured
+  faster they stay float32, with a warning saying so;
 - torch.compile of the small fused ops and the sampler (default: on CUDA only);
 - weight-only int8 (quantization="int8", chapter 08): on CPU with the C++ kernels only, for now (CUDA has no
   W8A16 kernel here yet: a clear error); batches of up to INT8_WEIGHT_MAX_ROWS rows use the int8 kernel;
@@ -136,6 +138,7 @@ class EnginePlan:
     prepack_weights: bool  # CPU bf16: oneDNN-packed linear weights
     bf16_weight_rows: int  # batches of up to this many rows use bf16 weight copies (0: never)
     prefill_dtype: str  # what larger batches' linears compute in: dtype, or "bfloat16" (pick_prefill_dtype)
+    prefill_dtype_min_rows: int  # with prefill_dtype != dtype: batches of more rows (decode too) use it
     # "int8": weight-only int8 linears and LM head; "w8a8": int8 activations too (layers/quant.py); "none"
     quantization: str
     int8_weight_rows: int  # batches of up to this many rows use the int8 copies (0: no quantization)
@@ -241,6 +244,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     bytes_per_block = block_size * per_token
     kv_cache = kv_cache_size(config, device, bytes_per_block, max_model_len, block_size)
     bf16_rows = 0 if config.quantization else bf16_weight_rows(device, backend, dtype, prepack, hf_config)
+    prefill_dtype, prefill_rows = pick_prefill_dtype(config.prefill_dtype, dtype, bf16_rows, hf_config)
     return EnginePlan(
         model=config.model, model_path=Path(model_path), hf_config=hf_config, device=device, dtype=dtype,
         dtype_source=dtype_choice.source, dtype_ms_per_step=dtype_choice.ms_per_step,
@@ -250,7 +254,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
         kv_cache=kv_cache, kv_bytes_per_block=bytes_per_block, kv_cache_dtype=kv_dtype,
         decode_mode=decode_mode, torch_compile=torch_compile, prepack_weights=prepack,
         bf16_weight_rows=bf16_rows,
-        prefill_dtype=pick_prefill_dtype(config.prefill_dtype, dtype, bf16_rows, hf_config),
+        prefill_dtype=prefill_dtype, prefill_dtype_min_rows=prefill_rows,
         quantization=config.quantization or "none",
         int8_weight_rows=int8_weight_rows(config.quantization, prepack),
         tensor_parallel_size=tp, enable_expert_parallel=config.enable_expert_parallel,
@@ -279,28 +283,30 @@ def pick_kv_cache_dtype(want: str, dtype: str, backend: str, pieces: PieceSelect
     return kv_dtype
 
 
-def pick_prefill_dtype(want: str, dtype: str, bf16_rows: int, hf_config: Any) -> str:
-    """What linears over more than linear.BF16_PREFILL_MIN_ROWS rows (prefill chunks) compute in: `dtype` for
-    'auto'; for 'bfloat16' (a bf16 checkpoint in float32 with bf16 weight copies, oneDNN bf16 here) bf16
-    where it measured faster."""
+def pick_prefill_dtype(want: str, dtype: str, bf16_rows: int, hf_config: Any) -> tuple[str, int]:
+    """What linears over more than the returned rows compute in: (`dtype`, 0) for 'auto'; for 'bfloat16' (a
+    bf16 checkpoint in float32 with bf16 weight copies, oneDNN bf16 here) ('bfloat16', the measured threshold)
+    where bf16 measured faster at some batch size (`dtype_choice.prefill_choice`: decode batches included)."""
     import torch
 
     if want == "auto" or dtype == "bfloat16":
-        return dtype
+        return dtype, 0
     if not (dtype == "float32" and bf16_rows and shapes.checkpoint_dtype(hf_config) == torch.bfloat16
             and linear.onednn_bf16_available()):
         raise InvalidValueError(f"EngineConfig: prefill_dtype={want!r} runs a bf16 checkpoint's prefill "
                                 "linears in bf16 under float32 compute on CPU (the 'cpu' backend's bf16 "
                                 "weight copies, no quantization) with torch's oneDNN bf16 matmul, which this "
                                 f"engine (dtype={dtype!r}) or CPU does not have; leave prefill_dtype='auto'")
-    choice = dtype_choice.prefill_choice(hf_config)
-    if not choice.bf16_faster:
-        ms = dict(choice.ms_per_layer)
+    if not cpu_kernels.is_built():  # resolving never compiles: the fixed threshold, measured next start
+        return "bfloat16", linear.BF16_PREFILL_MIN_ROWS
+    choice = dtype_choice.prefill_choice(hf_config, bf16_rows)
+    if choice.min_rows is None:
+        largest = choice.ms_by_rows[-1]
         warnings.warn(f"nanoengine: prefill_dtype='bfloat16' measured slower than float32 on this CPU "
-                      f"({ms['bfloat16']:.2f} against {ms['float32']:.2f} ms per layer's linears), so "
-                      "prefill stays in float32", stacklevel=4)
-        return dtype
-    return "bfloat16"
+                      f"({largest[2]:.2f} against {largest[1]:.2f} ms for a layer's linears at {largest[0]} "
+                      "rows), so prefill stays in float32", stacklevel=4)
+        return dtype, 0
+    return "bfloat16", choice.min_rows
 
 
 def pick_async_scheduling(want: bool | None, device: str, trace: bool, speculative: Any = None) -> bool:

@@ -5,6 +5,8 @@ rounding in float32; the paged decode kernel == the torch backend's decode; and 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_attention import make_layout
@@ -385,13 +387,13 @@ def test_prefill_dtype_follows_the_kept_measurement(faster, monkeypatch, tmp_pat
     from nanoengine import dtype_choice, plan
     from nanoengine.layers import linear
 
-    monkeypatch.setenv("NANOENGINE_HOME", str(tmp_path))
+    monkeypatch.setattr(dtype_choice, "cache_path", lambda hf: tmp_path / "choice.json")
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
     calls = []
 
-    def fake(hf):
-        calls.append(1)
-        return {"float32": 2.0, "bfloat16": 1.0 if faster else 3.0}
+    def fake(hf, bf16_rows):
+        calls.append(bf16_rows)
+        return [(r, 2.0, (1.0 if r >= 16 else 3.0) if faster else 3.0) for r in dtype_choice.ROW_SIZES]
 
     monkeypatch.setattr(dtype_choice, "measure_prefill", fake)
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -402,32 +404,42 @@ def test_prefill_dtype_follows_the_kept_measurement(faster, monkeypatch, tmp_pat
         else:
             with pytest.warns(UserWarning, match="measured slower than float32"):
                 got = plan.pick_prefill_dtype("bfloat16", "float32", 256, hf)
-        assert got == ("bfloat16" if faster else "float32")
-    assert len(calls) == 1  # kept: the second plan reads it back
-    assert plan_of(hf, device="cpu", dtype="float32", attention_backend="cpu", num_kvcache_blocks=8,
-                   prefill_dtype="bfloat16").prefill_dtype == got
+        assert got == (("bfloat16", 15) if faster else ("float32", 0))
+    assert calls == [256]  # kept: the second plan reads it back
+    with contextlib.nullcontext() if faster else pytest.warns(UserWarning, match="measured slower"):
+        made = plan_of(hf, device="cpu", dtype="float32", attention_backend="cpu", num_kvcache_blocks=8,
+                       prefill_dtype="bfloat16")
+    assert (made.prefill_dtype, made.prefill_dtype_min_rows) == got
 
 
-def test_linears_with_bf16_prefill_round_activations_above_the_row_threshold(kernels):
-    """use_bf16_prefill: batches of over BF16_PREFILL_MIN_ROWS rows == the bf16 matmul of the rounded
-    activations (bias added in float32), smaller ones keep their path (bf16 copies' kernel)."""
+@pytest.mark.parametrize("min_rows", [None, 8])
+def test_linears_with_bf16_prefill_round_activations_above_the_row_threshold(kernels, min_rows):
+    """use_bf16_prefill: batches of over its rows (BF16_PREFILL_MIN_ROWS, or the plan's measured threshold)
+    == the bf16 matmul of the rounded activations (bias added in float32), smaller ones keep their path (bf16
+    copies' kernel); the fused step's C++ Linear, given the same copy and rows, gives both bit for bit."""
     from nanoengine.layers.linear import BF16_PREFILL_MIN_ROWS, PackableLinear
 
+    rows = BF16_PREFILL_MIN_ROWS if min_rows is None else min_rows
     gen = torch.Generator().manual_seed(0)
     layer = PackableLinear(40, 24, bias=True)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(24, 40, generator=gen).bfloat16().float())
         layer.bias.copy_(torch.randn(24, generator=gen))
     layer.use_bf16(kernels, 256)
-    small = torch.randn(BF16_PREFILL_MIN_ROWS, 40, generator=gen)
-    large = torch.randn(BF16_PREFILL_MIN_ROWS + 1, 40, generator=gen)
-    before_small = layer(small)
-    layer.use_bf16_prefill()
-    assert torch.equal(layer(small), before_small)
+    small, large = torch.randn(rows, 40, generator=gen), torch.randn(rows + 1, 40, generator=gen)
+    before = layer(small), layer(large)
+    layer.use_bf16_prefill() if min_rows is None else layer.use_bf16_prefill(min_rows)
+    assert torch.equal(layer(small), before[0])
     want = torch.nn.functional.linear(large.bfloat16(), layer.weight.bfloat16()).float() + layer.bias
-    assert torch.equal(layer(large), want)
+    assert torch.equal(layer(large), want) and not torch.equal(want, before[1])
     torch.testing.assert_close(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias),
                                atol=0.1, rtol=0.02)  # bf16 activations: ~3 significant digits
+    fused = kernels.Linear(packed=layer.bf16_weight, weight=layer.weight.detach(), bias=layer.bias,
+                           out_features=24, onednn=layer.bf16_prefill_weight,
+                           onednn_min_rows=layer.bf16_min_rows)
+    with torch.inference_mode():
+        assert torch.equal(fused(small), before[0]) and torch.equal(fused(large), want)
+        assert torch.equal(kernels.onednn_bf16_linear(large, layer.bf16_prefill_weight, layer.bias), want)
 
 
 def test_smollm2_prefill_in_bf16_keeps_its_perplexity(kernels):

@@ -107,14 +107,19 @@ def kernel_paths(plan) -> dict:
     elif quant == "int8":
         out["decode_linears"] = f"int8_linear:{auto['int8_linear']} (<= {plan.int8_weight_rows} rows)"
     elif plan.bf16_weight_rows:
-        out["decode_linears"] = f"bf16_linear:{auto['bf16_linear']} (<= {plan.bf16_weight_rows} rows)"
+        # up to a row count through the bf16 copies' kernel, above it prefill_dtype's bf16 or torch's matmul
+        rows = plan.bf16_weight_rows
+        above = f"torch:{plan.dtype} matmul"
+        if plan.prefill_dtype == "bfloat16" and plan.prefill_dtype != plan.dtype:
+            rows = min(rows, plan.prefill_dtype_min_rows)
+            above = "onednn:bf16 activations" + (" (amx)" if "amx_bf16" in cpu_flags else "")
+        out["decode_linears"] = out["prefill_linears"] = (f"bf16_linear:{auto['bf16_linear']} (<= {rows} "
+                                                          f"rows), {above} above")
     elif plan.prepack_weights:
         out["decode_linears"] = "onednn:bf16 (prepacked)"
     if "prefill_linears" not in out:
         if plan.prepack_weights:
             out["prefill_linears"] = "onednn:bf16" + (" (amx)" if "amx_bf16" in cpu_flags else "")
-        elif plan.prefill_dtype == "bfloat16":
-            out["prefill_linears"] = "onednn:bf16 activations" + (" (amx)" if "amx_bf16" in cpu_flags else "")
         else:
             out["prefill_linears"] = f"torch:{plan.dtype} matmul"
     if plan.attention_backend == "cpu":
@@ -130,6 +135,12 @@ def cpuinfo_flags() -> list[str]:
     except OSError:
         return []
     return line.split(":", 1)[1].split() if ":" in line else []
+
+
+def gemm_dtype(plan) -> torch.dtype:
+    """The dtype of the compute ceiling: the one the plan's batched linears run in (prefill_dtype above its
+    row threshold, else the compute dtype)."""
+    return getattr(torch, plan.prefill_dtype) if plan.prefill_dtype != plan.dtype else plan.torch_dtype
 
 
 def measure(dtype: torch.dtype, device: str) -> dict:

@@ -174,7 +174,7 @@ def bench(model: str = assets.DEFAULT_MODEL, workload: str | Workload = "cpu-sma
         "dtype_choice": {"dtype": plan.dtype, "source": plan.dtype_source,
                          "ms_per_step": dict(plan.dtype_ms_per_step)},
         "hardware": hardware.describe(device), "kernel_paths": hardware.kernel_paths(plan)}
-    result["ceilings"] = hardware.measure(plan.torch_dtype, device)
+    result["ceilings"] = hardware.measure(hardware.gemm_dtype(plan), device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     eng = run_online(llm, wl, request_rate, seed, quiet) if online else run_engine(llm, wl, quiet)

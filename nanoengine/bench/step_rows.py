@@ -4,6 +4,7 @@ verification costs, against a decode).
 
     python -m nanoengine.bench.step_rows                              # SmolLM2-135M, the engine's dtype
     python -m nanoengine.bench.step_rows --quantization int8          # its int8 weights
+    python -m nanoengine.bench.step_rows --prefill-dtype bfloat16     # bf16 activations above the threshold
     python -m nanoengine.bench.step_rows --model tiny-qwen3 --steps 4 # a smoke run (seconds)
 
 Each point runs its requests through one engine (greedy, `ignore_eos`, random prompts of `prompt_len`
@@ -61,10 +62,11 @@ def step_ms(llm: LLM, batch: int, drafts: int, prompt_len: int, steps: int, rng:
 
 
 def measure(model: str, quantization: str | None, dtype: str, prompt_len: int, steps: int, repeats: int,
-            batches: tuple[int, ...] = BATCHES, drafts: tuple[int, ...] = DRAFTS) -> dict[str, Any]:
+            batches: tuple[int, ...] = BATCHES, drafts: tuple[int, ...] = DRAFTS,
+            prefill_dtype: str = "auto") -> dict[str, Any]:
     from nanoengine.bench import hardware
 
-    llm = LLM(model, dtype=dtype, quantization=quantization,
+    llm = LLM(model, dtype=dtype, quantization=quantization, prefill_dtype=prefill_dtype,
               max_num_batched_tokens=max(max(batches) * prompt_len, 512),
               speculative_config={"method": "ngram", "num_speculative_tokens": max(drafts)})
     rng = random.Random(0)
@@ -82,7 +84,8 @@ def measure(model: str, quantization: str | None, dtype: str, prompt_len: int, s
              "x_one_row": round(best[name] / base, 3)} for name, b, k in points]
     plan = llm.plan
     llm.close()
-    return {"model": model, "dtype": plan.dtype, "quantization": quantization, "prompt_len": prompt_len,
+    return {"model": model, "dtype": plan.dtype, "quantization": quantization,
+            "prefill_dtype": [plan.prefill_dtype, plan.prefill_dtype_min_rows], "prompt_len": prompt_len,
             "steps": steps, "repeats": repeats, "threads": torch.get_num_threads(),
             "hardware": hardware.describe(plan.device), "points": rows}
 
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quantization", choices=["int8", "w8a8"], default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prefill-dtype", default="auto",
+                    help="'bfloat16': bf16 activations above the measured row threshold")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12, help="decode steps per point")
     ap.add_argument("--repeats", type=int, default=2)
@@ -101,12 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args.model, args.quantization, args.dtype, args.prompt_len, args.steps, args.repeats)
+    result = measure(args.model, args.quantization, args.dtype, args.prompt_len, args.steps, args.repeats,
+                     prefill_dtype=args.prefill_dtype)
     for p in result["points"]:
         print(f"{p['point']:>12}: {p['ms']:8.2f} ms  {p['x_one_row']:5.2f}x one row", file=sys.stderr)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"step_rows_{Path(args.model).name}_{args.quantization or result['dtype']}.json"
+    bf16 = "_bf16rows" if args.prefill_dtype != "auto" else ""
+    name = f"step_rows_{Path(args.model).name}_{args.quantization or result['dtype']}{bf16}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     print(f"JSON: {out / name}", file=sys.stderr)
     return result

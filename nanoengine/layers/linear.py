@@ -26,13 +26,14 @@ bf16), and the sums are float32, so the output is the float32 linear's up to the
 batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
 round once, as a bf16 matmul rounds (torch's own bf16 matmul has no fast path on such a CPU).
 
-With prefill_dtype="bfloat16" (opt-in; chapter 08), `use_bf16_prefill(model)` gives every linear of a bf16
-checkpoint run in float32 a plain bf16 copy of its weight for batches of over BF16_PREFILL_MIN_ROWS rows
-(prefill chunks; decode steps run the fused step's own linears): their activations are rounded to bf16 and
-multiplied by torch's bf16 matmul (oneDNN, which uses AMX tiles where the CPU has them), the sums cast back
-to float32 (the bias added in float32). The plan turns it on only where it measured faster than the float32
-matmul (dtype_choice.prefill_choice); rounding the activations changes the results slightly, which is why it
-is not the default.
+With prefill_dtype="bfloat16" (opt-in; chapter 08), `use_bf16_prefill(model, min_rows)` gives every linear of
+a bf16 checkpoint run in float32 a bf16 copy of its weight packed for oneDNN, for batches of over `min_rows`
+rows (prefill chunks, and the fused decode step's larger batches, which pass it to the C++ `Linear`): their
+activations are rounded to bf16 and multiplied by torch's bf16 matmul (oneDNN, which uses AMX tiles where the
+CPU has them), the sums cast back to float32 (the bias added in float32). The plan turns it on, and sets
+`min_rows`, where it measured faster than the path those batches would otherwise take
+(dtype_choice.prefill_choice); rounding the activations changes the results slightly, which is why it is not
+the default.
 
 With quantization="int8" (chapter 08), `layers.quant.quantize_weights` gives every linear an int8 copy of its
 weight instead (`use_int8`: the C++ kernel `int8_linear`, half of bf16's bytes), and replaces the weight
@@ -57,9 +58,10 @@ from nanoengine.errors import InvalidValueError
 from nanoengine.layers.tp_group import SINGLE, TPGroup
 
 # prefill_dtype="bfloat16": batches of more rows than this multiply bf16 activations by a bf16 weight (torch's
-# matmul; oneDNN with AMX). On a Xeon with AMX (1 thread, SmolLM2's four linears of a layer) it beat float32
-# and the C++ bf16_linear at every size: 1.75 against 4.42 and 6.52 ms at 64 rows, 4.3 against 23.5 and 38.6
-# at 256, 7.1 against 38.9 and 65.4 at 512
+# matmul; oneDNN with AMX), unless the plan measured another threshold (dtype_choice.prefill_choice). On a
+# Xeon with AMX (1 thread, SmolLM2's four linears of a layer) it beat float32 and the C++ bf16_linear at every
+# size from 64 rows: 1.75 against 4.42 and 6.52 ms at 64 rows, 4.3 against 23.5 and 38.6 at 256, 7.1 against
+# 38.9 and 65.4 at 512
 BF16_PREFILL_MIN_ROWS = 64
 
 
@@ -95,7 +97,8 @@ class PackableLinear(nn.Linear):
     int8_scales: torch.Tensor | None = None  # its float32 scales, per output row and group of input columns
     int8_group_size: int = 0
     int8_max_rows: int = 0
-    bf16_prefill_weight: torch.Tensor | None = None  # plain bf16 copy for larger batches (prefill_dtype)
+    bf16_prefill_weight: torch.Tensor | None = None  # oneDNN-packed bf16 copy, larger batches (prefill_dtype)
+    bf16_min_rows: int = BF16_PREFILL_MIN_ROWS  # batches of more rows than this multiply it
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -106,9 +109,13 @@ class PackableLinear(nn.Linear):
         self.bf16_weight = kernels.bf16_pack(self.weight.detach())
         self.bf16_max_rows, self.kernels = max_rows, kernels
 
-    def use_bf16_prefill(self) -> None:
-        """Multiply float32 batches of over BF16_PREFILL_MIN_ROWS rows in bf16 (see the module docstring)."""
-        self.bf16_prefill_weight = self.weight.detach().bfloat16()  # [out, in]
+    def use_bf16_prefill(self, min_rows: int = BF16_PREFILL_MIN_ROWS) -> None:
+        """Multiply float32 batches of over min_rows rows in bf16 (see the module docstring): the weight
+        packed for oneDNN where this torch has its bf16 path, else a plain bf16 copy (the same products)."""
+        w = self.weight.detach().bfloat16()  # [out, in]
+        packable = onednn_bf16_available()
+        self.bf16_prefill_weight = torch.ops.mkldnn._reorder_linear_weight(w) if packable else w
+        self.bf16_min_rows = min_rows
 
     def use_int8(self, kernels: Any, q: torch.Tensor, scales: torch.Tensor, group_size: int,
                  max_rows: int, activations: bool = False) -> None:
@@ -128,9 +135,11 @@ class PackableLinear(nn.Linear):
         if self.int8_weight is not None and rows is not None and rows <= self.int8_max_rows:
             return self.kernels.int8_linear(x, self.int8_weight, self.int8_scales, bias, self.out_features,
                                             self.int8_group_size)  # [rows, out]
-        if (self.bf16_prefill_weight is not None and rows is not None and rows > BF16_PREFILL_MIN_ROWS
+        if (self.bf16_prefill_weight is not None and rows is not None and rows > self.bf16_min_rows
                 and x.dtype == torch.float32):
-            y = F.linear(x.bfloat16(), self.bf16_prefill_weight).float()  # [rows, out]
+            w, xb = self.bf16_prefill_weight, x.bfloat16()
+            y = (torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "") if w.is_mkldnn
+                 else F.linear(xb, w)).float()  # [rows, out] (the C++ onednn_bf16_linear's products)
             return y if bias is None else y + bias
         if self.bf16_weight is not None and rows is not None and rows <= self.bf16_max_rows:
             return self.kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
@@ -168,12 +177,12 @@ def use_bf16_weights(model: nn.Module, kernels: Any, max_rows: int) -> int:
     return len(layers)
 
 
-def use_bf16_prefill(model: nn.Module) -> int:
+def use_bf16_prefill(model: nn.Module, min_rows: int = BF16_PREFILL_MIN_ROWS) -> int:
     """Give every PackableLinear of a loaded model with bf16 weight copies (a bf16 checkpoint in float32) a
-    plain bf16 weight for prefill-sized batches (prefill_dtype="bfloat16"); returns how many."""
+    bf16 weight for batches of over min_rows rows (prefill_dtype="bfloat16"); returns how many."""
     layers = [m for m in model.modules() if isinstance(m, PackableLinear) and m.bf16_weight is not None]
     for m in layers:
-        m.use_bf16_prefill()
+        m.use_bf16_prefill(min_rows)
     return len(layers)
 
 

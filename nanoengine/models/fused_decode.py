@@ -9,10 +9,11 @@ Python keeps the embedding (and the runner the LM head).
 
 It serves what it mirrors exactly: a Llama-family model (Qwen3's per-head q/k norms included) on the `cpu`
 attention backend with the C++ kernels, one rank, and decode-only steps whose batch the linears' bf16 (or,
-with quantization="int8", int8) copies take (or any batch when the model has none). The plan's decode mode
-(`DecodeMode.FUSED_CPU`, nanoengine/plan.py) decides when the runner builds it; `enforce_eager=True` turns it
-off, as it turns CUDA graphs off. A mixture-of-experts model has no fused step yet (the plan decodes it
-eagerly): building one is an error.
+with quantization="int8", int8) copies take (or any batch when the model has none); with
+prefill_dtype="bfloat16", batches above its row threshold go through oneDNN's bf16 matmul in C++ as in
+Python. The plan's decode mode (`DecodeMode.FUSED_CPU`, nanoengine/plan.py) decides when the runner builds
+it; `enforce_eager=True` turns it off, as it turns CUDA graphs off. A mixture-of-experts model has no fused
+step yet (the plan decodes it eagerly): building one is an error.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 def _linear(kernels: Any, layer: PackableLinear) -> Any:
     return kernels.Linear(packed=layer.bf16_weight, weight=layer.weight.detach(), bias=layer.bias,
                           out_features=layer.out_features, int8=layer.int8_weight,
-                          int8_scales=layer.int8_scales, group_size=layer.int8_group_size)
+                          int8_scales=layer.int8_scales, group_size=layer.int8_group_size,
+                          onednn=layer.bf16_prefill_weight, onednn_min_rows=layer.bf16_min_rows)
 
 
 class FusedDecode:

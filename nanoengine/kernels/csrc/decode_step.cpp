@@ -10,6 +10,8 @@
 #include "kernels.h"
 #include "simd.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -68,6 +70,25 @@ using Clock = std::chrono::steady_clock;
 inline double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 }  // namespace
+
+namespace {
+// torch's own op for prepacked weights (the one layers.linear calls from Python), found at its first use
+at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, c10::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+}  // namespace
+
+at::Tensor onednn_bf16_linear(const at::Tensor& x, const at::Tensor& onednn, const c10::optional<at::Tensor>& bias) {
+  const auto xb = x.to(at::kBFloat16);  // [M, K]
+  // a plain bf16 weight where this torch has no oneDNN bf16 (the same products: at::linear calls oneDNN too)
+  auto y = (onednn.is_mkldnn() ? linear_pointwise(xb, onednn) : at::linear(xb, onednn)).to(at::kFloat);  // [M, N]
+  return bias ? y.add_(*bias) : y;
+}
 
 // x [B, hidden]: the embeddings of one decode step's tokens (one per sequence) -> the final norm's output.
 // times: float64 [2] or empty; when given, seconds in the linears and in attention (store + decode) are added.

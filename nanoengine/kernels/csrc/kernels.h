@@ -1,7 +1,8 @@
 // nanoengine's CPU kernels (chapter 06): what the family files define and module.cpp binds to Python.
 // decode_attention.cpp: paged_decode; glue.cpp: rms_norm, rotary, silu_and_mul; bf16_linear.cpp: bf16_pack,
 // bf16_linear (bf16_pairs.cpp: its AVX-512 layout); int8_linear.cpp: int8_pack, int8_linear (w8a8_linear.cpp:
-// w8a8_pack and its int8-activation paths); decode_step.cpp: Linear, DecodeLayer, decode_layers.
+// w8a8_pack and its int8-activation paths); decode_step.cpp: Linear, DecodeLayer, decode_layers,
+// onednn_bf16_linear.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,8 +50,14 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const std::string& path);
 
 // 5. a decode step's decoder layers in one call
-// one projection: an int8_pack-ed copy (int8_linear), else a bf16_pack-ed copy (bf16_linear), else the plain
-// weight (at::linear)
+// float32 x [M, K] rounded to bf16 @ a oneDNN-packed bf16 weight (torch.ops.mkldnn._reorder_linear_weight;
+// AMX tiles where the CPU has them; or a plain bf16 weight), the sums cast back to float32, + bias in float32:
+// what layers.linear.PackableLinear runs above its bf16_min_rows (decode_step.cpp)
+at::Tensor onednn_bf16_linear(const at::Tensor& x, const at::Tensor& onednn, const c10::optional<at::Tensor>& bias);
+
+// one projection: an int8_pack-ed copy (int8_linear), else for batches of more than onednn_min_rows rows a
+// oneDNN-packed bf16 copy (onednn_bf16_linear), else a bf16_pack-ed copy (bf16_linear), else the plain weight
+// (at::linear)
 struct Linear {
   c10::optional<at::Tensor> packed;
   at::Tensor weight;
@@ -58,8 +65,12 @@ struct Linear {
   int64_t out_features = 0;
   c10::optional<at::Tensor> int8, int8_scales;  // int8_pack's two tensors
   int64_t group_size = 0;
+  c10::optional<at::Tensor> onednn;  // oneDNN-packed bf16 weight for batches of more than onednn_min_rows rows
+  int64_t onednn_min_rows = 0;
   at::Tensor operator()(const at::Tensor& x) const {
     if (int8) return int8_linear(x, *int8, *int8_scales, bias, out_features, group_size, "auto");
+    if (onednn && x.size(0) > onednn_min_rows && x.scalar_type() == at::kFloat)
+      return onednn_bf16_linear(x, *onednn, bias);
     return packed ? bf16_linear(x, *packed, bias, out_features, "auto") : at::linear(x, weight, bias);
   }
 };

@@ -82,12 +82,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Linear>(m, "Linear")
       .def(pybind11::init([](c10::optional<at::Tensor> packed, at::Tensor weight, c10::optional<at::Tensor> bias,
                              int64_t out_features, c10::optional<at::Tensor> int8,
-                             c10::optional<at::Tensor> int8_scales, int64_t group_size) {
-             return Linear{packed, weight, bias, out_features, int8, int8_scales, group_size};
+                             c10::optional<at::Tensor> int8_scales, int64_t group_size,
+                             c10::optional<at::Tensor> onednn, int64_t onednn_min_rows) {
+             return Linear{packed, weight, bias, out_features, int8, int8_scales, group_size, onednn, onednn_min_rows};
            }),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("out_features"),
            pybind11::arg("int8") = c10::nullopt, pybind11::arg("int8_scales") = c10::nullopt,
-           pybind11::arg("group_size") = 0);
+           pybind11::arg("group_size") = 0, pybind11::arg("onednn") = c10::nullopt,
+           pybind11::arg("onednn_min_rows") = 0)
+      .def("__call__", [](const Linear& linear, const at::Tensor& x) { return linear(x); },
+           "x @ W^T (+ bias) as decode_layers runs this projection", nogil);
+  m.def("onednn_bf16_linear", &onednn_bf16_linear, "float32 x rounded to bf16 @ a oneDNN-packed bf16 weight "
+        "(torch.ops.mkldnn._reorder_linear_weight), cast back to float32, + bias", pybind11::arg("x"),
+        pybind11::arg("onednn"), pybind11::arg("bias") = c10::nullopt, nogil);
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, Linear,
                           Linear, Linear, Linear, at::Tensor, at::Tensor>(),
