@@ -11,6 +11,10 @@ from typing import Any
 
 import torch
 
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.sequence import Sequence
+from nanoengine.sampling_params import SamplingParams
+
 
 def book(chapter_file: str, exercise: str) -> str:
     """Where to read: the notebook that sets `exercise` (a chapter's part, nanoengine.book), else
@@ -134,3 +138,19 @@ def chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
     counts = torch.bincount(tokens, minlength=p.numel()).double()  # [V]
     expected = p.double() * tokens.numel()  # [V]
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+# ------------------------------------------------------------------ sequences as the engine admits them
+def make_seq(tokens, bs):
+    return Sequence(list(tokens), SamplingParams(), bs)
+
+
+def engine_prefill(bm: BlockManager, seq: Sequence) -> int:
+    """Admit and compute a whole prompt the way the scheduler and model runner do; return hit tokens."""
+    hits = bm.match_prefix(seq)
+    seq.num_cached_tokens = hits
+    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # the last token is always recomputed
+    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return hits

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from ex_helpers import assert_detects, assert_equal, assert_same_list, book, with_hint
+from ex_helpers import assert_detects, assert_equal, assert_same_list, book, engine_prefill, make_seq, with_hint
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.sequence import Sequence
@@ -30,21 +30,6 @@ from nanoengine.sampling_params import SamplingParams
 CHAPTER = "ch04_prefix_hashing"
 pytestmark = pytest.mark.xdist_group("ex_ch04")
 NB = "04a_block_hashes.ipynb"  # (a message names the part that sets its exercise: ex_helpers.book)
-
-
-def make_seq(tokens, bs):
-    return Sequence(list(tokens), SamplingParams(), bs)
-
-
-def engine_prefill(bm: BlockManager, seq: Sequence) -> int:
-    """Admit and compute a whole prompt the way the scheduler and model runner do; return hit tokens."""
-    hits = bm.match_prefix(seq)
-    seq.num_cached_tokens = hits
-    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # the last token is always recomputed
-    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.cache_full_blocks(seq)
-    return hits
 
 
 def engine_hashes(tokens, bs):

@@ -15,7 +15,7 @@ from collections import deque
 
 import pytest
 import torch
-from ex_helpers import assert_detects, assert_equal, book
+from ex_helpers import assert_detects, assert_equal, book, engine_prefill, make_seq
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.inputs import InputBuilder
@@ -128,21 +128,6 @@ WORKLOADS = [  # seed, num_blocks, block_size, budget, max_num_seqs, max prompt,
 
 
 # ------------------------------------------------------------------------------------------------- 5.0
-def make_seq(tokens, bs):
-    return Sequence(list(tokens), SamplingParams(), bs)
-
-
-def engine_prefill(bm: BlockManager, seq: Sequence) -> int:
-    """Admit and compute a whole prompt the way the scheduler and model runner do; return hit tokens."""
-    hits = bm.match_prefix(seq)
-    seq.num_cached_tokens = hits
-    seq.num_computed_tokens = min(hits, seq.num_tokens - 1)  # the last token is always recomputed
-    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.cache_full_blocks(seq)
-    return hits
-
-
 def engine_behaviour(bm: BlockManager) -> dict:
     """What a block pool does, without its block ids: the cached prefixes (hashes), how many tables hold
     each, the number of free blocks, and the order in which allocation would evict cached prefixes (each free
