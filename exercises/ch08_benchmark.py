@@ -1,4 +1,4 @@
-# Your exercises for book/08_benchmark.ipynb -- this file is yours to edit.
+# Your exercises for book/08a_measuring.ipynb, 08b_cpu_and_int8.ipynb -- this file is yours to edit.
 # Replace each `raise NotImplementedError(...)` with your code, then run the chapter's check cell
 # (`check("ch08")`, from nanoengine.check) or: pytest tests/exercises/test_ch08_benchmark.py
 # Generated from solutions/ch08_benchmark.py by scripts/make_exercises.py (maintainers: edit the solution, regenerate).
@@ -37,7 +37,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = floor(r), it is sorted[lo] + (sorted[lo + 1] - sorted[lo]) * (r - lo) (just sorted[lo] at the end of
     the list). p50 of [1, 2, 3, 4] is 2.5; p0 is the minimum, p100 the maximum. Return None for no values.
     """
-    raise NotImplementedError("Exercise 8.1: the q-th percentile (0 <= q <= 100) of `values`, interpolated as numpy does by default - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.1: the q-th percentile (0 <= q <= 100) of `values`, interpolated as numpy does by default - see book/08a_measuring.ipynb")
 
 
 def latency_summary(requests: Sequence[Any]) -> dict[str, dict[str, float | None]]:
@@ -52,7 +52,7 @@ def latency_summary(requests: Sequence[Any]) -> dict[str, dict[str, float | None
     "e2e_s": ...}, each {"mean", "p50", "p90", "p99"} over the requests that have that latency (percentiles
     with your `percentile`), all four None when no request has it.
     """
-    raise NotImplementedError("Exercise 8.1: TTFT, TPOT and end-to-end latency percentiles over a run's requests - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.1: TTFT, TPOT and end-to-end latency percentiles over a run's requests - see book/08a_measuring.ipynb")
 
 
 def workload_flops(shape: ModelShape, prompt_lens: Sequence[int], output_lens: Sequence[int],
@@ -70,7 +70,7 @@ def workload_flops(shape: ModelShape, prompt_lens: Sequence[int], output_lens: S
       lm_head:   2 x vocab x h per generated token (its logits).
     Return the three exact integer counts: {"linear": ..., "attention": ..., "lm_head": ...}.
     """
-    raise NotImplementedError("Exercise 8.2: the FLOPs of a workload, split into linear layers, attention and LM head - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.2: the FLOPs of a workload, split into linear layers, attention and LM head - see book/08a_measuring.ipynb")
 
 
 def static_batch_waste(prompt_lens: Sequence[int], output_lens: Sequence[int],
@@ -83,7 +83,7 @@ def static_batch_waste(prompt_lens: Sequence[int], output_lens: Sequence[int],
     what the requests need alone: sum of p_i + o_i - 1. Return {"computed": ..., "useful": ..., "waste": ...}
     with waste = 1 - useful / computed (0.0: nothing wasted).
     """
-    raise NotImplementedError("Exercise 8.3: the positions static batches compute, the useful ones, and the fraction wasted - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.3: the positions static batches compute, the useful ones, and the fraction wasted - see book/08a_measuring.ipynb")
 
 
 def decode_step_cost(shape: ModelShape, context_lens: Sequence[int], gemm_gflops: float,
@@ -100,7 +100,7 @@ def decode_step_cost(shape: ModelShape, context_lens: Sequence[int], gemm_gflops
       less than limit_s = the larger of the two.
       Return {"flops", "bytes", "compute_s", "memory_s", "limit_s"}.
     """
-    raise NotImplementedError("Exercise 8.4: the FLOPs, bytes and time bound of one decode step of a batch - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.4: the FLOPs, bytes and time bound of one decode step of a batch - see book/08a_measuring.ipynb")
 
 
 def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Ten
       q = w / s rounded to the nearest integer         (in [-127, 127])
     Return (q [out, in] torch.int8, scales [out, groups] float32), groups = ceil(in / group_size).
     """
-    raise NotImplementedError("Exercise 8.5: quantize, symmetric int8 per group - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.5: quantize, symmetric int8 per group - see book/08b_cpu_and_int8.ipynb")
 
 
 def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -122,4 +122,4 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor, group_size: int)
     q [out, in] int8 and scales [out, groups] (quantize_per_group's) -> the float32 weight [out, in] they
     stand for: w[n, k] = q[n, k] * scales[n, k // group_size].
     """
-    raise NotImplementedError("Exercise 8.5: dequantize, back to float32 - see book/08_benchmark.ipynb")
+    raise NotImplementedError("Exercise 8.5: dequantize, back to float32 - see book/08b_cpu_and_int8.ipynb")

@@ -29,7 +29,7 @@ def notebooks(book: Path | None = None) -> list[Path]:
 
 
 def part_of(path: Path | str) -> str:
-    """"03b" for book/03b_paged_attention.ipynb, "08" for book/08_benchmark.ipynb."""
+    """"03b" for book/03b_paged_attention.ipynb, "09" for book/09_speculative_decoding.ipynb."""
     m = NAME.fullmatch(Path(path).name)
     if not m:
         raise ValueError(f"{path}: book notebooks are named NN_topic.ipynb or NNx_topic.ipynb")
