@@ -21,42 +21,45 @@ exercises/ files are always picked up without restarting the kernel. Each exerci
 your files or the tests change. The first one-exercise check after a change also runs the rest of the
 chapter's tests behind it, in the background, so a Run All costs two pytest processes, not one per exercise.
 By default they test your exercises/; `impl="solutions"` tests the reference answers (or set NANOENGINE_IMPL).
+This module keeps check(), run() and the table (ChapterResult); the failure rendering is in check_diff, the
+pytest runs in check_runner, the capstone in check_capstone. Chapter: all.
 """
 
 from __future__ import annotations
 
-import ast
-import atexit
-import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import textwrap
 import types
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nanoengine import book
-from nanoengine.pieces import IMPL_VARIABLE, default_impl
+
+# the failure rendering, the pytest runs and the capstone live beside this module; their names stay importable
+# from here (`from nanoengine.check import ...`, tests patching `check._start_pytest`: run() reads it here)
+from nanoengine.check_capstone import _CAPSTONES, _STUB, SUSPECTS, add_capstone, suspect  # noqa: F401
+from nanoengine.check_diff import difference, render_failure, short_ids, split_failure  # noqa: F401
+from nanoengine.check_runner import (  # noqa: F401
+    _BACKGROUND,
+    _COMPLETE,
+    _RESULTS,
+    TestResult,
+    _finish_pytest,
+    _forget,
+    _full_message,
+    _parse_junit,
+    _Pytest,
+    _start_pytest,
+    _stop,
+)
+from nanoengine.pieces import default_impl
 from nanoengine.solution import show_solution  # noqa: F401  (the book's `from nanoengine.check import ...`)
 
 ROOT = Path(__file__).resolve().parents[1]
-_TEST_NAME = re.compile(r"test_(\d+)_(\d+)_(\w+?)(\[.*\])?$")
 _EXERCISE = re.compile(r"Exercise (\d+)\.(\d+): (.+?)\.?(?:\"\"\"|''')?\s*$")
 _ONE_EXERCISE = re.compile(r"(\d{1,2})\.(\d{1,2})")
-_STUB = re.compile(r"Exercise (\d+\.\d+):")
-
-
-@dataclass
-class TestResult:
-    name: str
-    exercise: str  # "3.1"
-    outcome: str  # "pass", "todo" (NotImplementedError), "fail", "skip" (cannot run here; the message: why)
-    message: str = ""
 
 
 @dataclass
@@ -135,213 +138,6 @@ def _stub_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _shorten(text: str, n: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-# A state dump inside a failure message: a bracketed span that opens with words ("[state before: ...",
-# "[case 3: ...", "[temperatures ...", "[seq 4: ..."), unlike a value's repr ("[(4, 1, False)]", "[True]").
-_DUMP_START = re.compile(r"\[[a-z][a-z_]*[ :]")
-_HINT = re.compile(r"This looks like .*?\.(?=\s*(?:This looks like|\(|$))", re.S)
-_JUNIT_CUT = re.compile(r"\n\[(?:truncated|\+\d+ more lines?); full report in element text\]$")
-LEAD_CHARS = 900  # what is kept of the text between hints, should a difference be a huge repr
-SHOWN_WHOLE = 150  # a value's repr up to this long is shown whole beside the other; longer, around the change
-# a block hash (a chained 64-bit xxhash, or Python's hash): an integer of 12 digits or more
-_HASH = re.compile(r"(?<![\w.#])-?\d{12,}(?![\w.])")
-_YOURS = re.compile(r"\byours (?=[\[({])")
-_EXPECTED = re.compile(r",? (?:expected|the engine's|the engine) (?=[\[({])")
-
-
-def short_ids(text: str) -> str:
-    """Block hashes (integers of 12 digits or more) as '#' and the first 6 hex digits of their 64-bit value:
-    the same hash gets the same id wherever it appears."""
-    return _HASH.sub(lambda m: "#" + format(int(m.group(0)) % (1 << 64), "x")[:6], text)
-
-
-def _full_message(message: str, text: str) -> str:
-    """The whole failure message: junit's attribute cuts long ones, its element text (--tb=line: the
-    message's lines as "E   ..." or a "file.py:12: ..." line) holds all of it."""
-    if not _JUNIT_CUT.search(message) or not text.strip():
-        return message
-    lines = [line[4:] if line.startswith("E   ") else re.sub(r"^\S+\.py:\d+: ", "", line)
-             for line in text.strip().splitlines()]
-    return "\n".join(lines)
-
-
-def _literal_end(text: str, i: int) -> int | None:
-    """The end of the bracketed span (a repr, or a state dump) that opens at text[i], or None."""
-    if i >= len(text) or text[i] not in "[({":
-        return None
-    depth, quote, j = 0, "", i
-    while j < len(text):
-        c = text[j]
-        if quote:
-            if c == "\\":
-                j += 1
-            elif c == quote:
-                quote = ""
-        elif c in "'\"" and text[j - 1] in " [({,:":  # a string opens (an apostrophe in a word does not)
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-        j += 1
-    return None
-
-
-def _dumps(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each state dump in `text`, brackets balanced."""
-    spans, i = [], 0
-    while (m := _DUMP_START.search(text, i)) is not None:
-        end = _literal_end(text, m.start()) or len(text)
-        spans.append((m.start(), end))
-        i = end
-    return spans
-
-
-def _top_level_split(text: str, sep: str) -> list[str]:
-    """`text` split at each `sep` outside brackets."""
-    parts, depth, at = [], 0, 0
-    for j, c in enumerate(text):
-        depth += {"[": 1, "(": 1, "{": 1, "]": -1, ")": -1, "}": -1}.get(c, 0)
-        if depth == 0 and text.startswith(sep, j):
-            parts.append(text[at:j])
-            at = j + len(sep)
-    return [p.strip() for p in [*parts, text[at:]] if p.strip()]
-
-
-def split_failure(message: str) -> tuple[str, list[str]]:
-    """(lead, dumps) of a failure message. The lead is what to read first: the message without its state
-    dumps, so the difference and every "This looks like ..." sentence come whole, in the message's order; the
-    dumps are the state the test started from, each whole.
-
-    "schedule() at step 19 [state before: ...]: scheduled ...: yours ..., expected .... This looks like ..."
-    leads with "schedule() at step 19: scheduled ...: yours ..., expected .... This looks like ...", and the
-    state follows it."""
-    text = " ".join(message.split()).removeprefix("AssertionError: ")
-    dumps = [text[a:b] for a, b in _dumps(text)]
-    lead = text
-    for dump in dumps:
-        lead = lead.replace(dump, "")
-    lead = " ".join(lead.split()).replace(" :", ":").replace(" .", ".")
-    def cut(piece: str) -> str:  # (only in a pathological case) text that holds no difference to show
-        return piece.strip() if _literal_pairs(piece) else _shorten(piece, LEAD_CHARS)
-
-    pieces, at = [], 0
-    for m in _HINT.finditer(lead):
-        pieces += [cut(lead[at:m.start()]), m.group(0)]
-        at = m.end()
-    lead = " ".join(p for p in [*pieces, cut(lead[at:])] if p)
-    return lead, dumps
-
-
-def _literal_pairs(text: str) -> list[tuple[int, int, str, str]]:
-    """(start, end, yours, expected) of each "yours <repr>, expected <repr>" in `text` (both bracketed)."""
-    pairs, i = [], 0
-    while (m := _YOURS.search(text, i)) is not None:
-        a1 = _literal_end(text, m.end())
-        sep = _EXPECTED.match(text, a1) if a1 else None
-        b1 = _literal_end(text, sep.end()) if sep else None
-        if b1 is None:
-            i = m.end()
-            continue
-        pairs.append((m.start(), b1, text[m.end():a1], text[sep.end():b1]))
-        i = b1
-    return pairs
-
-
-def _r(x: Any) -> str:
-    return short_ids(repr(x))
-
-
-def _items(value: Any) -> str:
-    """A list's or tuple's repr with block hashes as short ids."""
-    inner = ", ".join(_r(x) for x in value)
-    return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
-
-
-def difference(got: str, want: str) -> list[str]:
-    """The lines that show how the repr `got` differs from the repr `want`: both on aligned lines with the
-    first differing item marked (a list or tuple), or the keys that differ (a dict)."""
-    try:
-        g, w = ast.literal_eval(got), ast.literal_eval(want)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        g = w = None
-    if isinstance(g, dict) and isinstance(w, dict):
-        lines = []
-        if len(_r(g)) + len(_r(w)) <= 2 * SHOWN_WHOLE:
-            lines += [f"yours    {_r(g)}", f"expected {_r(w)}"]
-        keys = [k for k in w if k in g and g[k] != w[k]]
-        extra, missing = [k for k in g if k not in w], [k for k in w if k not in g]
-        for k in keys[:6]:
-            lines.append(f"at {_r(k)}: yours {_r(g[k])}, expected {_r(w[k])}")
-        if len(keys) > 6:
-            lines.append(f"... and {len(keys) - 6} more keys differ")
-        for what, ks, d in (("keys only yours have", extra, g), ("keys yours lack", missing, w)):
-            if ks:
-                shown = ", ".join(f"{_r(k)}: {_r(d[k])}" for k in ks[:6])
-                lines.append(f"{what} ({len(ks)}): {shown}{', ...' if len(ks) > 6 else ''}")
-        return lines
-    if isinstance(g, (list, tuple)) and isinstance(w, (list, tuple)):
-        i = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-        whole = max(len(_items(g)), len(_items(w))) <= SHOWN_WHOLE
-        lo, hi = (0, max(len(g), len(w))) if whole else (max(0, i - 2), i + 3)
-        shown = []
-        for v in (g, w):
-            s = _items(type(v)(v[lo:hi]))
-            s = s[:-1] + ", ...]" if len(v) > hi else s
-            shown.append("[..., " + s[1:] if lo else s)
-        gs, ws = shown
-        prefix = "[..., " if lo else ""
-        at = len(prefix or "[") + sum(len(_r(x)) + 2 for x in g[lo:i])
-        where = (f"item {i}: yours {_r(g[i]) if i < len(g) else 'nothing'}, expected "
-                 f"{_r(w[i]) if i < len(w) else 'nothing'}")
-        if len(g) != len(w):
-            where += f" (yours has {len(g)} items, expected {len(w)})"
-        return [f"yours    {gs}", f"expected {ws}", " " * (9 + at) + "^ " + where]
-    a, b = short_ids(got), short_ids(want)
-    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return [f"yours    {a}", f"expected {b}", " " * (9 + at) + "^"]
-
-
-def render_failure(name: str, message: str, width: int = 110) -> list[str]:
-    """The table's lines for a failed test: the difference (yours and expected aligned) and the hints first,
-    whole; then the state the test started from, whole, one part a line."""
-    lead, dumps = split_failure(message)
-    lines: list[str] = []
-    text, first = f"-> {name}: ", True
-
-    def say(words: str) -> None:
-        nonlocal first
-        if words.strip():
-            lines.extend(textwrap.wrap(short_ids(words), width, initial_indent=" " * (9 if first else 12),
-                                       subsequent_indent=" " * 12, break_on_hyphens=False))
-            first = False
-
-    at = 0
-    for start, end, got, want in _literal_pairs(lead):
-        if len(got) + len(want) < 60 and not got.startswith("{"):  # a short list reads well inline
-            continue
-        say(text + lead[at:start].rstrip())
-        text = ""
-        lines.extend(" " * 14 + line for line in difference(got, want))
-        at = end
-    say(text + lead[at:].lstrip(" ,;:."))
-    for dump in dumps:
-        parts = _top_level_split(dump[1:-1], "; ")
-        for k, part in enumerate(parts):
-            lines.extend(textwrap.wrap(short_ids(part), width, initial_indent=" " * (12 if k == 0 else 14),
-                                       subsequent_indent=" " * 16, break_on_hyphens=False))
-    if _HASH.search(message):
-        lines.append(" " * 12 + "(#5f66a1 and the like: block hashes, by the first 6 hex digits of their "
-                     "64-bit value)")
-    return lines
-
-
 def _chapter_files(chapter: str | int) -> tuple[str, list[Path]]:
     m = re.fullmatch(r"(?:ch)?(\d{1,2})", str(chapter).strip().lower())
     if not m:
@@ -365,46 +161,6 @@ def _exercise_titles(impl_dir: Path, chapter: str) -> dict[str, str]:
             if m and f"{m.group(1)}.{m.group(2)}" not in titles:
                 titles[f"{m.group(1)}.{m.group(2)}"] = m.group(3).split(" - see book/")[0]
     return titles
-
-
-def _parse_junit(path: Path) -> list[TestResult]:
-    results = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        name = case.get("name", "")
-        m = _TEST_NAME.match(name)
-        exercise = f"{m.group(1)}.{m.group(2)}" if m else "?"
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        skipped = case.find("skipped")
-        if problem is not None:
-            message = _full_message(problem.get("message") or "", problem.text or "")
-            outcome = "todo" if "NotImplementedError" in message else "fail"
-            results.append(TestResult(name, exercise, outcome, message))
-        elif skipped is not None:
-            results.append(TestResult(name, exercise, "skip", skipped.get("message") or ""))
-        else:
-            results.append(TestResult(name, exercise, "pass"))
-    return results
-
-
-# source stamps -> {exercise: its tests' results}, and whether every test of the chapter has run
-_RESULTS: dict[tuple, dict[str, list[TestResult]]] = {}
-_COMPLETE: set[tuple] = set()
-# source stamps -> the run of the rest of the chapter that a one-exercise check started behind it
-_BACKGROUND: dict[tuple, Any] = {}
-
-
-def _forget() -> None:
-    """Drop every kept result, and stop a background run whose files have changed."""
-    for run in _BACKGROUND.values():
-        _stop(run)
-    _BACKGROUND.clear()
-    _RESULTS.clear()
-    _COMPLETE.clear()
-
-
-atexit.register(_forget)
 
 
 def _stamp(impl_dir: Path, chapter: str) -> tuple:
@@ -495,185 +251,6 @@ def _chapters_with_pieces() -> dict:
     from nanoengine.pieces import CHAPTERS
 
     return CHAPTERS
-
-
-# The piece of a chapter most likely at fault when its capstone differs while every exercise test passes, by
-# what differs: "first" (a prompt's first generated token: the prompt's forward), "later" (a token after the
-# first: decode steps), what the row says of the schedule or the pool ("prefix-hit tokens", "preemptions",
-# "blocks in use", "sequences", "prefill tokens", "decode tokens"), or "other" (over the budget, too many
-# steps). Each rule: the pieces, most likely first, and why.
-SUSPECTS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
-    "ch02": {"first": (("causal_gqa_attention", "apply_rope", "rms_norm"),
-                       "a prompt's first token comes from its forward, where all three of yours run"),
-             "later": (("apply_rope", "rms_norm"),
-                       "later tokens come from decode steps: your norms and RoPE (at positions past the "
-                       "prompt) run there, the attention is the engine's paged one")},
-    "ch03": {"first": (("paged_prefill_attention", "store_kv", "batch_slot_mapping", "attention_metadata"),
-                       "a prompt that continues a cached prefix (a prefix hit, or its second chunk) attends "
-                       "over the blocks your store filled, with your prefill attention"),
-             "later": (("paged_decode_kernel", "store_kv", "batch_slot_mapping", "attention_metadata"),
-                       "tokens after the first come from decode steps: your kernel (3.6 without triton) "
-                       "over the slots your 3.1 chose")},
-    "ch04": {"prefix-hit tokens": (("count_cached_tokens", "prefix_block_hashes"),
-                                   "how many tokens hit is your lookup's answer, over your hashes"),
-             "blocks in use": (("PrefixCachingAllocator.free",),
-                               "blocks in use change when your free keeps them or gives them back"),
-             "preemptions": (("PrefixCachingAllocator.free",),
-                             "a pool that runs out early has blocks your free did not give back"),
-             "first": (("prefix_block_hashes", "count_cached_tokens"),
-                       "a prompt read another prefix's K/V: a hash that does not chain the whole prefix, or "
-                       "a lookup that counts a block whose tokens differ"),
-             "other": (("count_cached_tokens", "prefix_block_hashes"),
-                       "a step's token counts start from your lookup's hits")},
-    "ch05": {"preemptions": (("preempt_until_fits", "schedule"), "preemption is 5.1's, called by 5.2"),
-             "blocks in use": (("preempt_until_fits", "schedule"), "blocks are taken and given back there"),
-             "first": (("sample", "process_logits"), "same schedule, other tokens: the sampler (greedy)"),
-             "later": (("sample", "process_logits"), "same schedule, other tokens: the sampler (greedy)"),
-             "other": (("schedule", "preempt_until_fits"), "a step's sequences and token counts are 5.2's")},
-    "ch06": {"later": (("load_static", "StandInGraphs.replay", "pick_bucket", "graph_buckets"),
-                       "decode steps replay your graphs: a padding row that writes, or a stale static input"),
-             "other": (("pick_bucket", "StandInGraphs.replay"), "the steps your graphs replay")},
-    "ch07": {"first": (("shard_merged_rows", "row_parallel_forward", "column_parallel_forward",
-                        "vocab_parallel_embedding_forward"),
-                       "every token runs through your shards and collectives on both ranks")},
-    "ch09": {"decode tokens": (("propose_ngram",), "a decode step's tokens include the drafts proposed"),
-             "blocks in use": (("rollback_blocks",), "rejected drafts' blocks are given back by your 9.4"),
-             "later": (("accept_greedy", "propose_ngram"),
-                       "a token that differs after drafting is a draft kept that the model did not choose"),
-             "other": (("accept_greedy", "propose_ngram", "rollback_blocks"),
-                       "accepted drafts decide how far each step moves")},
-    "ch10": {"first": (("route", "grouped_experts"),
-                       "every token of every MoE layer is routed by your 10.1 and computed by your 10.2")},
-}
-_TOKEN_DIFF = re.compile(r"generated token (\d+) differs")
-# what a failed capstone row says -> the symptom it is; a row may name several, read in their order
-_SYMPTOMS = (("prefix-hit tokens", "prefix-hit tokens"), ("preemptions", "preemptions"),
-             ("blocks in use", "blocks in use"), ("blocks of a pool", "blocks in use"),
-             ("still held", "blocks in use"), ("decode tokens", "decode tokens"),
-             ("prefill tokens", "prefill tokens"), ("sequences", "sequences"), ("over the budget", "other"),
-             (" steps", "other"))
-
-
-def _exercise_numbers(impl_dir: Path, chapter: str) -> dict[str, str]:
-    """Function (or "Class.method") -> its exercise ("4.3"), from the docstrings of the chapter file."""
-    numbers: dict[str, str] = {}
-    for path in sorted(impl_dir.glob(f"{chapter}_*.py")):
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            inner = [(f"{node.name}.{n.name}", n) for n in getattr(node, "body", [])
-                     if isinstance(node, ast.ClassDef) and isinstance(n, ast.FunctionDef)]
-            for name, fn in [(getattr(node, "name", ""), node), *inner]:
-                if isinstance(fn, (ast.FunctionDef, ast.ClassDef)):
-                    m = _STUB.match(ast.get_docstring(fn) or "")
-                    if m:
-                        numbers.setdefault(name, m.group(1))
-    return numbers
-
-
-def suspect(chapter: str, detail: str, impl_dir: Path) -> str:
-    """The pieces most likely at fault for a capstone row that failed (`detail`), most likely first, and why;
-    "" when the detail already names an exercise (a piece that raised) or the chapter has no rule."""
-    if re.search(r"Exercise \d+\.\d+", detail):
-        return ""
-    token = _TOKEN_DIFF.search(detail)
-    rules = SUSPECTS.get(chapter, {})
-    symptoms = ["first" if token and token.group(1) == "0" else "later"] if token else []
-    if not token:
-        found = sorted((detail.find(phrase), symptom) for phrase, symptom in _SYMPTOMS if phrase in detail)
-        symptoms += [symptom for _, symptom in found]
-    rule = next((rules[s] for s in symptoms if s in rules), None)
-    if rule is None and token:  # a chapter whose pieces run in both: its one rule for tokens
-        rule = rules.get("first" if "later" in symptoms else "later")
-    rule = rule or rules.get("other")
-    if rule is None:
-        return ""
-    numbers = _exercise_numbers(impl_dir, chapter)
-    names = [f"{numbers[n]} ({n})" if n in numbers else n for n in rule[0]]
-    then = f", then {', '.join(names[1:])}" if names[1:] else ""
-    return f"most likely at fault: your {names[0]}{then}: {rule[1]}"
-
-
-_CAPSTONES: dict[tuple, Any] = {}  # source stamps -> the capstone of a chapter whose tests all passed
-
-
-def add_capstone(result: ChapterResult, impl_dir: Path, key: tuple) -> None:
-    """Once every exercise passes, run the chapter's capstone:
-    LLM on the learner's pieces == LLM on its own."""
-    from nanoengine.pieces import CHAPTERS
-
-    if result.chapter not in CHAPTERS:
-        result.capstone_note = (f"{result.chapter} plugs no piece into the engine (chapters "
-                                f"{', '.join(CHAPTERS)} do: LLM(model, use_exercises=[...]))")
-        return
-    if not result.passed:
-        result.capstone_note = (f"once every {result.chapter} exercise passes, the engine runs on your "
-                                "pieces here and must give its own greedy text")
-        return
-    if key not in _CAPSTONES:
-        from nanoengine.pieces.capstone import capstone
-
-        _CAPSTONES.clear()
-        _CAPSTONES[key] = capstone(result.chapter, impl_dir)
-    result.capstone = _CAPSTONES[key]
-    result.suspects = [suspect(result.chapter, detail, impl_dir) for _, ok, detail in result.capstone.rows
-                       if not ok]
-
-
-@dataclass
-class _Pytest:
-    """A pytest process started on a chapter's tests, and where its junit file goes."""
-    proc: subprocess.Popen
-    tmp: tempfile.TemporaryDirectory
-    xml: Path
-
-
-def _start_pytest(files: list[Path], impl: str, select: str = "", background: bool = False) -> _Pytest:
-    """Start the chapter's tests (those pytest's -k `select` picks, if given) in a fresh pytest process; a
-    background run has a lower CPU priority, so it does not slow the learner's own work."""
-    env = dict(os.environ, **{IMPL_VARIABLE: impl}, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    tmp = tempfile.TemporaryDirectory()
-    xml = Path(tmp.name) / "results.xml"
-    cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--tb=line", f"--junitxml={xml}", *(["-k", select] if select else [])]
-    nice = (lambda: os.nice(10)) if background and hasattr(os, "nice") else None
-    with open(Path(tmp.name) / "output.txt", "w") as out:  # a file, not a pipe: nothing waits on a reader
-        # a session of its own: stopping it stops whatever its tests started too (`_stop`)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nice,
-                                start_new_session=hasattr(os, "killpg"))
-    return _Pytest(proc, tmp, xml)
-
-
-def _finish_pytest(run: _Pytest, timeout: float) -> tuple[list[TestResult], str]:
-    """Wait for a started run: (results, error); error is "" when pytest ran (selecting no test included)."""
-    try:
-        run.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(run)
-        return [], f"the tests took more than {timeout:.0f} s"
-    try:
-        if not run.xml.is_file() or run.proc.returncode not in (0, 1, 5):  # 5: no test selected
-            output = (run.xml.parent / "output.txt").read_text(errors="replace")
-            tail = "\n".join(output.strip().splitlines()[-15:])
-            return ((_parse_junit(run.xml) if run.xml.is_file() else []),
-                    f"pytest exited with code {run.proc.returncode}:\n{tail}")
-        return _parse_junit(run.xml), ""
-    finally:
-        run.tmp.cleanup()
-
-
-def _stop(run: _Pytest) -> None:
-    """End a run this module started, with every process its tests started (its session), and drop its
-    files: a stopped run leaves nothing running beside what comes next."""
-    try:
-        os.killpg(run.proc.pid, signal.SIGKILL)
-    except (AttributeError, ProcessLookupError, PermissionError):  # (no process groups here, or none left)
-        if run.proc.poll() is None:
-            run.proc.kill()
-    run.proc.wait()
-    run.tmp.cleanup()
 
 
 def _run_pytest(files: list[Path], impl: str, timeout: float,
