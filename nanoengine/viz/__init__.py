@@ -13,16 +13,14 @@ from nanoengine.viz.state import (
     BlockCell,
     BlockTableState,
     KVUsageState,
-    PrefixTreeState,
     batch_composition_state,
     block_table_state,
     block_table_states,
     kv_usage_state,
-    prefix_tree_state,
-    request_timeline_state,
-    run_summary,
     seq_colors,
 )
+from nanoengine.viz.state_prefix import PrefixTreeState, prefix_tree_state
+from nanoengine.viz.state_timeline import request_timeline_state, run_summary
 from nanoengine.viz.static import plot_batch_composition, plot_block_table, plot_kv_usage, plot_prefix_tree
 
 WIDGETS = ("BatchCompositionView", "BlockTableView", "KVUsageView", "PrefixTreeView", "ScheduleExplorer",

@@ -28,13 +28,12 @@ from nanoengine.viz.state import (
     BlockCell,
     BlockTableState,
     KVUsageState,
-    PrefixTreeState,
-    RequestTimelineState,
-    RunSummary,
     grid_columns,
     ink,
     short_text,
 )
+from nanoengine.viz.state_prefix import PrefixTreeState
+from nanoengine.viz.state_timeline import RequestTimelineState, RunSummary
 
 FONT = "font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;"
 

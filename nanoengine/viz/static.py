@@ -37,9 +37,9 @@ from nanoengine.viz.state import (
     grid_columns,
     ink,
     kv_usage_state,
-    prefix_tree_state,
     short_text,
 )
+from nanoengine.viz.state_prefix import prefix_tree_state
 
 
 def _new_axes(ax: Axes | None, size: tuple[float, float]) -> Axes:

@@ -24,17 +24,15 @@ from nanoengine.viz.state import (
     BlockCell,
     BlockTableState,
     KVUsageState,
-    PrefixTreeState,
     batch_composition_state,
     block_table_states,
     check_step,
     check_trace,
     kv_usage_state,
-    prefix_tree_state,
-    request_timeline_state,
-    run_summary,
     short_text,
 )
+from nanoengine.viz.state_prefix import PrefixTreeState, prefix_tree_state
+from nanoengine.viz.state_timeline import request_timeline_state, run_summary
 
 
 class _StepView(widgets.VBox):
