@@ -13,7 +13,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
 
-from nanoengine import LLM, SamplingParams, assets
+from nanoengine import LLM, SamplingParams, assets, hub
 from nanoengine.errors import ModelNotFoundError
 
 HUB_ID = "fake-org/tiny-qwen3"
@@ -129,12 +129,12 @@ def test_online_the_hub_is_asked_for_the_checkpoints_files_and_its_refusal_is_na
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
     with pytest.raises(ModelNotFoundError) as e:
         assets.resolve_model("fake-org/private")
-    assert calls == [("fake-org/private", {"allow_patterns": assets.HUB_PATTERNS, "local_files_only": False})]
+    assert calls == [("fake-org/private", {"allow_patterns": hub.HUB_PATTERNS, "local_files_only": False})]
     wanted = {"config.json", "generation_config.json", "model-00001-of-00002.safetensors",
               "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",
               "chat_template.jinja"}
     others = {"pytorch_model.bin", "model.gguf", "README.md", "onnx/model.onnx"}  # other copies, docs
-    fetched = {f for f in wanted | others if any(fnmatch.fnmatch(f, p) for p in assets.HUB_PATTERNS)}
+    fetched = {f for f in wanted | others if any(fnmatch.fnmatch(f, p) for p in hub.HUB_PATTERNS)}
     assert fetched == wanted
     message = str(e.value)
     assert "'fake-org/private'" in message and "Repository Not Found" in message and "HF_TOKEN" in message

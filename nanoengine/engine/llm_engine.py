@@ -7,9 +7,9 @@ Chapters 00 and 05.
 - finish: once the tokens are known, the scheduler puts them in place and applies the stop rules
   (`Scheduler.update`), each Completion turns its tokens into text (stop strings), and the step is recorded.
 Extensions enter at declared hooks (engine/hooks.py: drafts, logits masks, step observers), which the loop
-calls without knowing who is behind them. `StepLoop` (at the end) runs one step per call; overlap scheduling
-(chapter 06) swaps in engine/overlap.py's `OverlapLoop`. `nanoengine.launch.build_engine` builds an engine
-(settings -> plan -> parts -> executor) for `LLM` and the server.
+calls without knowing who is behind them. `StepLoop` (engine/step.py) runs one step per call; overlap
+scheduling (chapter 06) swaps in engine/overlap.py's `OverlapLoop`. `nanoengine.launch.build_engine` builds
+an engine (settings -> plan -> parts -> executor) for `LLM` and the server.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from nanoengine.engine.request import Request, check_token_ids, new_request
 from nanoengine.engine.sampling import SamplingBatcher
 from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput, StepUpdate
 from nanoengine.engine.sequence import Sequence
-from nanoengine.engine.step import EngineLoad, LaunchedStep, StepResult, StepTimes, TextDelta
+from nanoengine.engine.step import EngineLoad, LaunchedStep, StepLoop, StepResult, StepTimes, TextDelta
 from nanoengine.errors import InvalidValueError
 from nanoengine.plan import EnginePlan
 from nanoengine.sampling_params import SamplingParams
@@ -382,25 +382,3 @@ class LLMEngine:
             return self.executor.execute(every_row)  # [T, vocab]
         finally:
             self.block_manager.free(seq)
-
-
-class StepLoop:
-    """One step at a time: each call schedules a step, launches it and finishes it."""
-
-    in_flight: LaunchedStep | None = None  # (never one)
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-
-    def busy(self) -> bool:
-        return False
-
-    def step(self) -> StepResult:
-        engine = self.engine
-        return engine.finish_or_forget(engine.schedule_and_launch())
-
-    def drain(self) -> StepResult:
-        return StepResult()
-
-    def forget(self) -> None:
-        pass

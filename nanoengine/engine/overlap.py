@@ -2,7 +2,7 @@
 
 `OverlapLoop` launches step N+1 before it finishes step N, whose forward ran meanwhile, so the host's work for
 one hides behind the device's for the other (mini-sglang's shape: one object owns the step in flight and the
-error a step deferred). It stands in for the engine's plain `StepLoop` (llm_engine.py: schedule -> launch ->
+error a step deferred). It stands in for the engine's plain `StepLoop` (step.py: schedule -> launch ->
 finish, one step per call) when the engine is built with overlap; `LLMEngine.step`, `drain` and
 `has_unfinished` ask whichever loop the engine holds (`LLMEngine.loop`).
 

@@ -7,6 +7,8 @@
   sequence got, the requests that finished, and the step's `StepStats`. `LLM`, the server and the benchmarks
   read this instead of the engine's attributes.
 - `EngineLoad`: how busy the engine is between steps (what a server's queue limit and metrics read).
+- `StepLoop`: the plain loop, one step per call: schedule -> launch -> finish (`LLMEngine.loop`, unless
+  overlap scheduling's `OverlapLoop`, engine/overlap.py, stands in).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from nanoengine.engine.executor import ForwardOutput
     from nanoengine.engine.inputs import PromptRows
+    from nanoengine.engine.llm_engine import LLMEngine
     from nanoengine.engine.request import Request
     from nanoengine.engine.scheduler import SchedulerOutput
     from nanoengine.engine.sequence import Sequence
@@ -64,3 +67,24 @@ class EngineLoad(NamedTuple):
     num_waiting: int  # sequences queued or preempted
     num_used_blocks: int
     num_blocks: int
+
+class StepLoop:
+    """One step at a time: each call schedules a step, launches it and finishes it."""
+
+    in_flight: LaunchedStep | None = None  # (never one)
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def busy(self) -> bool:
+        return False
+
+    def step(self) -> StepResult:
+        engine = self.engine
+        return engine.finish_or_forget(engine.schedule_and_launch())
+
+    def drain(self) -> StepResult:
+        return StepResult()
+
+    def forget(self) -> None:
+        pass
