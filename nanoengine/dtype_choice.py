@@ -8,7 +8,7 @@ A bf16 (or fp16) checkpoint can decode on a CPU with the C++ kernels in two ways
 - "bfloat16": bf16 throughout, the linears' weights packed for oneDNN (`torch.ops.mkldnn._linear_pointwise`),
   layer by layer; only where this torch has oneDNN bf16 on this CPU (`linear.onednn_bf16_available()`).
 Which one is faster is a fact of the CPU, not of whether bf16 exists: on an AVX-512 Zen 4 the first ran 2.3x
-faster at one stream than the second. So where both can run (`plan.dtype_candidates`), `choose` times them
+faster at one stream than the second. So where both can run (`plan_cpu.dtype_candidates`), `choose` times them
 once per machine and keeps the answer; elsewhere there is one candidate and nothing is timed.
 
 `measure` times a stand-in of the model's decode step rather than the model: `STAND_IN_LAYERS` decoder layers
@@ -73,7 +73,7 @@ MIN_STEPS, MAX_STEPS = 3, 20
 
 @dataclass(frozen=True)
 class Candidate:
-    """One decode path, as the plan would run it (plan.dtype_candidates makes them)."""
+    """One decode path, as the plan would run it (plan_cpu.dtype_candidates makes them)."""
     dtype: str  # "float32" or "bfloat16": the name it is kept and shown under
     prepack: bool  # oneDNN-packed weights, layer by layer
     fused: bool  # the fused C++ decode step

@@ -105,7 +105,8 @@ def test_the_model_runner_knows_nothing_of_processes():
         assert word not in source, word
 
 
-@pytest.mark.parametrize("module", ["nanoengine.config", "nanoengine.plan"])
+@pytest.mark.parametrize("module", ["nanoengine.config", "nanoengine.plan", "nanoengine.plan_cpu",
+                                    "nanoengine.plan_backend"])
 def test_the_config_and_the_plan_name_no_chapter_and_read_no_global_state(module):
     source = MODULES[module].read_text()
     assert not [c for c in ("ch02", "ch03", "ch04", "ch05", "ch06", "ch07") if c in source]

@@ -137,7 +137,7 @@ def test_the_real_measurement_times_this_machines_candidates(cpu_kernels):
     import dataclasses
 
     from nanoengine.config import EngineConfig
-    from nanoengine.plan import dtype_candidates
+    from nanoengine.plan_cpu import dtype_candidates
 
     cfg = bf16_config()
     candidates = dtype_candidates(EngineConfig(device="cpu"), "cpu", cfg, "cpu")

@@ -282,7 +282,7 @@ def test_smollm2_float32_with_bf16_weight_copies_equals_without(kernels, monkeyp
     """smollm2 (a bf16 checkpoint) in float32: greedy tokens with the linears' bf16 weight copies (batches of
     1 and 5 rows decode through the kernel) == the plain float32 matmuls, and the switch is on by default."""
     from nanoengine import LLM, SamplingParams
-    from nanoengine import plan as engine_plan
+    from nanoengine import plan_cpu as engine_plan
 
     prompts = [[5, 17, 300, 42] * n for n in (1, 7, 15, 3, 30)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

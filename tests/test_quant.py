@@ -133,7 +133,7 @@ def test_quantized_linears_switch_by_rows_and_leave_a_tied_embedding_alone(kerne
 def test_the_plan_takes_int8_on_cpu_and_refuses_it_on_cuda_or_a_bad_name():
     from plans import plan_of
 
-    from nanoengine import plan as engine_plan
+    from nanoengine import plan_cpu as engine_plan
     from nanoengine.config import EngineConfig
     from nanoengine.plan import check_quantization
 
