@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import nanoengine.attention.torch_backend as torch_backend
 from nanoengine.attention import AttentionMetadata, get_backend
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -146,18 +145,15 @@ def expected_outputs(batch):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128), (6, 2, 32)])
-@pytest.mark.parametrize("grouped_prefill", [True, False])
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared_once", "layer_prepares"])
-def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, grouped_prefill, prepared,
-                            monkeypatch, request):
+def test_paged_equals_dense(backend, block_size, num_heads, num_kv_heads, head_dim, prepared,
+                            request):
     if backend == "cpu":
         request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
     if backend == "triton":
-        if not grouped_prefill or not prepared:  # the interpreter is slow: only the variants that concern it
-            pytest.skip("the torch backend's prefill variants and per-layer preparing are tested on torch")
+        if not prepared:  # the interpreter is slow: only the variants that concern it
+            pytest.skip("per-layer preparing is tested on torch")
         request.getfixturevalue("triton_kernels")  # the interpreter on CPU; skips without triton
-    if not grouped_prefill:  # every prefill through scaled_dot_product_attention instead of grouped matmuls
-        monkeypatch.setattr(torch_backend, "GROUPED_PREFILL_MAX_SCORES", 0)
     gen = torch.Generator().manual_seed(block_size * 100 + num_heads)
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     b = make_batch(backend, SEQS, num_heads, num_kv_heads, head_dim, block_size, gen, device=device)

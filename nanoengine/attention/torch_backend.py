@@ -130,30 +130,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return paged_decode(q, k_cache, v_cache, *decode_index(block_tables, context_lens, k_cache.shape), scale)
 
 
-GROUPED_PREFILL_MAX_SCORES = 1 << 21  # q_len * k_len up to this: grouped matmuls (scores fit in ~72 MB fp32)
-
-
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the last q_len positions over k_len >= q_len keys (a cached prefix shifts the
     mask)."""
     # q [q_len, num_heads, head_dim]; k, v [num_kv_heads, k_len, head_dim] (heads first)
-    q_len, num_heads, head_dim = q.shape
-    num_kv_heads, k_len = k.shape[0], k.shape[1]
-    pos_q = torch.arange(k_len - q_len, k_len, device=q.device)
-    visible = torch.arange(k_len, device=q.device)[None, :] <= pos_q[:, None]  # [q_len, k_len]
-    if q_len * k_len <= GROUPED_PREFILL_MAX_SCORES:
-        # grouped-query matmuls, as in decode: each kv head serves its group of query heads in one matmul
-        # (in bf16 on CPU they beat scaled_dot_product_attention for prompts of a few hundred tokens)
-        group = num_heads // num_kv_heads
-        qg = q.transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)  # [kvh, group * q_len, d]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kvh, group * q_len, k_len]
-        scores = scores.view(num_kv_heads, group, q_len, k_len).masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, group * q_len, k_len)
-        out = torch.matmul(probs, v).view(num_heads, q_len, head_dim)
-    else:  # long chunks: SDPA never materializes the [q_len, k_len] scores
-        qt = q.transpose(0, 1)  # [num_heads, q_len, head_dim]
-        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
+    q_len, k_len = q.shape[0], k.shape[1]
+    # a batch of one: on CPU, 4-D inputs take SDPA's fused (flash) kernel, which never holds the [q_len, k_len]
+    # scores; 3-D ones its unfused math (4x to 7x slower at 2,048 tokens, SmolLM2's heads, 1 thread)
+    qt, kt, vt = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, len, head_dim]
+    if q_len == k_len:  # no cached prefix: SDPA's own causal mask, which skips the blocks above the diagonal
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # the mask shifted by the prefix: query i sits at position k_len - q_len + i
+        pos_q = torch.arange(k_len - q_len, k_len, device=q.device)
+        visible = torch.arange(k_len, device=q.device)[None, :] <= pos_q[:, None]  # [q_len, k_len]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
