@@ -1,4 +1,4 @@
-"""Mixture of experts (Qwen3-MoE, issue 41): the router and the grouped expert forward against transformers'
+"""Mixture of experts (Qwen3-MoE, chapter 10): the router and the grouped expert forward against transformers'
 and a naive per-token loop, the checked config fields, the plan's refusals, and greedy decoding of
 tiny-qwen3-moe through the engine == transformers `generate` under chunked prefill, prefix hits, preemption,
 the CPU graph stand-in and n-gram speculation (verify steps of several rows per sequence)."""

@@ -1,4 +1,4 @@
-"""A mixture of experts across ranks (issue 41): tensor parallelism (1/N of every expert's rows) and expert
+"""A mixture of experts across ranks (chapter 10): tensor parallelism (1/N of every expert's rows) and expert
 parallelism (enable_expert_parallel: E/N whole experts per rank), each with one all-reduce after the experts.
 Over gloo on CPU, two ranks of tiny-qwen3-moe give one process's greedy tokens and prompt logits (chunked
 prefill); each rank holds exactly its share of the checkpoint's experts; the ranks' partial outputs sum to
