@@ -98,7 +98,10 @@ def cpu_kernels():
 def python_sigint_handler():
     """Every test starts with Python's own SIGINT handler (Ctrl-C raises KeyboardInterrupt) and gives back
     the one it found: a test that sends itself SIGINT must not depend on what a test before it, in the same
-    worker, left installed (the clean-clone run had three such tests fail in one xdist worker)."""
+    worker, left installed (the clean-clone run had three such tests fail in one xdist worker). What is left
+    installed is the engine's own: the first step of any engine puts `interrupts.HELD.handler` in front of
+    Python's and leaves it there by design (nanoengine/engine/interrupts.py); every test that runs a step
+    leaves it."""
     import signal
     import threading
 
