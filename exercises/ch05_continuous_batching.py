@@ -13,24 +13,27 @@ Exercise 5.4: the logits filter chain: temperature, min-p, top-k, top-p.
 Exercise 5.5: sample one token per row, each seeded request from its own generator.
 Exercise 5.6: your own engine: the step loop over your pieces (schedule, inputs, forward, sample, update).
 
-5.0 works on the engine's BlockManager, and 5.2 admits prompts by 5.0's rules (with the scheduler's
-bookkeeping around them: the running list, the sequence limit). 5.1 and 5.2 work on the engine's own
+5.0 works on the engine's BlockManager, and 5.2 calls it for its admission pass (with the scheduler's
+bookkeeping around it: the queues, the sequence limit, the output). 5.1 and 5.2 work on the engine's own
 objects, so your scheduling step can drive the engine: `sched` is a
 `nanoengine.engine.scheduler.Scheduler` (its `running` list, oldest first; its `waiting` deque; its
 `block_manager`, with `can_allocate`, `allocate`, `free`, `blocks_needed`, `match_prefix` and
 `cache_full_blocks`; `max_num_batched_tokens` and `max_num_seqs`). They return the engine's
 `SchedulerOutput` of `ScheduledSeq(seq, num_new_tokens, is_prefill)`.
 
-What each exercise needs from the others: 5.2 calls your 5.1; 5.5 calls your 5.4; 5.6 runs your 5.2, 5.3
-and 5.5. While one of those is still the untouched stub, the checks of the later one use the engine's own
-piece in its place (and say so), so you can write them in any order. The docstrings are contracts: what
-goes in, what comes out, what must hold; the book's hints say how, and `show_solution("5.2")` (from
-nanoengine.check) prints a reference answer when you want one.
+What each exercise needs from the others: 5.2 calls your 5.0 and 5.1; 5.5 calls your 5.4; 5.6 runs your
+5.2, 5.3 and 5.5. While your 5.1 is still the untouched stub, 5.2's checks use the engine's preemption in
+its place (and say so), and 5.6's use the engine's own 5.2, 5.3 or 5.5 for one still a stub, so you can
+write those in any order; a stub 5.0 (part 05a, before 5.2) or 5.4 stops the checks of the exercise that
+calls it, with a message that names it. The docstrings are contracts: what goes in, what comes out, what
+must hold; the book's hints say how, and `show_solution("5.2")` (from nanoengine.check) prints a reference
+answer when you want one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -94,6 +97,10 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
     as where the step starts, so build it once that is set); `num_batched_tokens`, the sum of the n;
     `preempted` and `blocks_freed` (your 5.1); the block ids newly given to tables in `blocks_allocated`
     (not the prefix hits); `(seq_id, hit tokens)` per admitted sequence in `cache_hits`.
+    Builds on your 5.0 and 5.1: `admit_prompts(sched.block_manager, waiting, budget)` admits from the front
+    of the queue by 5.0's rules (prefix hits, the last prompt token always computed, chunking, first come,
+    first served, same-step sharing), and `preempt_until_fits` makes room; this step does the scheduler's
+    part around them (the budget, the two passes, the queues, the output).
     Choose only: the engine commits the step afterwards (the tokens count as computed then), so
     num_computed_tokens stays where each step starts.
     What must hold (the checks test each rule, with a fake model whose tokens are right only if every K/V a
@@ -104,17 +111,17 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
       step had to preempt);
     - room: a scheduled sequence holds the blocks for its tokens (`block_manager.allocate`); when the pool
       is short, your 5.1 makes room;
-    - admission: a waiting sequence that is admitted joins the end of `sched.running`, RUNNING, scheduled in
-      the same step; at most `max_num_seqs` run; it starts from its prefix-cache hits
-      (`block_manager.match_prefix`, kept in `num_cached_tokens`) but always computes its last prompt token
-      (its logits give the first new token); one that is not admitted holds no block and 0 computed tokens;
-    - conventions the book requires (vLLM v1's): first come, first served: once a waiting sequence does not
-      fit, no later one is admitted in this step; and a step that preempted admits no one;
-    - sharing: the blocks a sequence fills are registered in the prefix cache as soon as it is scheduled
-      (`block_manager.cache_full_blocks(seq, start + n)`), so an identical prompt admitted later in the
-      same step hits them.
+    - admission, with the budget the running sequences left: your 5.0 admits; each sequence it admits
+      leaves `sched.waiting` and joins the end of `sched.running`, RUNNING, scheduled in the same step; at
+      most `max_num_seqs` run (so hand your 5.0 no more of the queue than that leaves room for); one that is
+      not admitted stays waiting, with no block and 0 computed tokens;
+    - conventions the book requires (vLLM v1's): first come, first served (your 5.0 stops at a waiting
+      sequence that does not fit); and a step that preempted admits no one;
+    - sharing: the blocks a running sequence fills are registered in the prefix cache as soon as it is
+      scheduled (`block_manager.cache_full_blocks(seq, start + n)`, as your 5.0 does for an admitted one), so
+      an identical prompt admitted later in the same step hits them.
     The order you build the output in, which victim your 5.1 takes, and whether an n > 1 sibling waits for
-    its first completion's prompt (`seq.wait_for`) are yours.
+    its first completion's prompt (`seq.wait_for`: leave it out of what your 5.0 sees) are yours.
     """
     raise NotImplementedError("Exercise 5.2: one scheduling step: who computes how many tokens this step, under a token budget - see book/05b_scheduling_step.ipynb")
 

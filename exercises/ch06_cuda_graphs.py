@@ -5,15 +5,15 @@
 """Chapter 06, book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb: per-step overhead, and the decode
 graphs that remove it.
 
-Exercise 6.1: the batch sizes that get a graph, and the bucket a batch replays.
-Exercise 6.2: copy a decode step into the static buffers, padded so that padding rows write nothing.
-Exercise 6.3: capture one forward per bucket and replay it: the CPU stand-in of CUDA graphs.
-Exercise 6.4: count a step's ops, and predict its time from per-op overhead and bytes moved.
+Exercise 6.1: count a step's ops, and predict its time from per-op overhead and bytes moved.
+Exercise 6.2: the batch sizes that get a graph, and the bucket a batch replays.
+Exercise 6.3: copy a decode step into the static buffers, padded so that padding rows write nothing.
+Exercise 6.4: capture one forward per bucket and replay it: the CPU stand-in of CUDA graphs.
 Exercise 6.5: read a launched step's pending tokens into the next step's input ids, on the device.
 
-The tests compare yours with nanoengine's own `nanoengine/engine/graphs.py` (batch_buckets, DecodeGraphs) on
-seeded inputs, 6.3 with tiny-qwen3's eager forward (its output and its KV cache), 6.4 with
-`nanoengine.viz.overhead.count_ops`, and 6.5 with an engine that overlaps its steps (async_scheduling) on
+The tests compare 6.1 with `nanoengine.viz.overhead.count_ops`, 6.2 and 6.3 with nanoengine's own
+`nanoengine/engine/graphs.py` (batch_buckets, DecodeGraphs) on seeded inputs, 6.4 with tiny-qwen3's eager
+forward (its output and its KV cache), and 6.5 with an engine that overlaps its steps (async_scheduling) on
 yours.
 """
 
@@ -32,27 +32,49 @@ MAX_GRAPH_BATCH = 512  # no graph for larger decode batches: they run eagerly
 BUFFERS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 
 
+def count_ops(fn: Callable[[], object]) -> Counter[str]:
+    """Exercise 6.1: the aten ops that calling `fn()` dispatches, counted by name.
+
+    Run fn() under a torch.utils._python_dispatch.TorchDispatchMode whose __torch_dispatch__(func, types,
+    args, kwargs) counts func.overloadpacket.__name__ ("add" for aten.add.Tensor, "linear", "view", ...) and
+    then runs func(*args, **kwargs). Return a Counter {op name: calls}. (A C++ extension bound with pybind11,
+    like nanoengine's CPU kernels, is one call that dispatches only the aten ops it calls itself.)
+    """
+    raise NotImplementedError("Exercise 6.1: the aten ops that calling `fn()` dispatches, counted by name - see book/06a_step_cost.ipynb")
+
+
+def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
+                    bandwidth_gbs: float) -> dict[str, float]:
+    """Exercise 6.1: a step's time on one CPU thread, predicted from two costs that do not overlap there.
+
+    overhead_ms = num_ops x per_op_us (the host's cost of dispatching each op, whatever its size), in ms;
+    memory_ms = bytes_moved / (bandwidth_gbs x 1e9) (reading the weights and the KV cache), in ms;
+    total_ms = overhead_ms + memory_ms. Return {"overhead_ms", "memory_ms", "total_ms"}.
+    """
+    raise NotImplementedError("Exercise 6.1: a step's time on one CPU thread, predicted from two costs that do not overlap there - see book/06a_step_cost.ipynb")
+
+
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them).
+    """Exercise 6.2: the batch sizes that get a graph (any order: the engine sorts them).
 
     1, 2, 4 and 8, then every multiple of 16, up to max_num_seqs capped at MAX_GRAPH_BATCH; the cap itself
     (min(max_num_seqs, MAX_GRAPH_BATCH)) is always the last bucket, so that every batch the scheduler can form
     (up to the cap) has one. No size appears twice; none is larger than the cap.
     graph_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]; graph_buckets(3) == [1, 2, 3].
     """
-    raise NotImplementedError("Exercise 6.1: the batch sizes that get a graph (any order: the engine sorts them) - see book/06b_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.2: the batch sizes that get a graph (any order: the engine sorts them) - see book/06b_cuda_graphs.ipynb")
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
-    """Exercise 6.1: the bucket a decode batch of `batch` rows replays.
+    """Exercise 6.2: the bucket a decode batch of `batch` rows replays.
 
     The smallest bucket >= batch, or None when the batch is larger than every bucket (it runs eagerly).
     `buckets` is sorted."""
-    raise NotImplementedError("Exercise 6.1: the bucket a decode batch of `batch` rows replays - see book/06b_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.2: the bucket a decode batch of `batch` rows replays - see book/06b_cuda_graphs.ipynb")
 
 
 def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput, bucket: int) -> int:
-    """Exercise 6.2: copy a decode step into the static buffers, padded up to `bucket`; return the new width.
+    """Exercise 6.3: copy a decode step into the static buffers, padded up to `bucket`; return the new width.
 
     `bufs` holds "input_ids", "positions", "slot_mapping", "context_lens" ([max_bucket] int64 each) and
     "block_tables" ([max_bucket, max_blocks] int64). They are allocated once and a captured graph reads them
@@ -68,62 +90,40 @@ def load_static(bufs: dict[str, torch.Tensor], used_width: int, inp: ModelInput,
       a later step with more rows, or a wider table, would read them.
     Return the number of columns that may hold a block id now: width.
     """
-    raise NotImplementedError("Exercise 6.2: copy a decode step into the static buffers, padded up to `bucket`; return the new width - see book/06b_cuda_graphs.ipynb")
+    raise NotImplementedError("Exercise 6.3: copy a decode step into the static buffers, padded up to `bucket`; return the new width - see book/06b_cuda_graphs.ipynb")
 
 
 class StandInGraphs:
-    """Exercise 6.3: one recorded forward per bucket over static buffers, replayed on them.
+    """Exercise 6.4: one recorded forward per bucket over static buffers, replayed on them.
 
     `forward(inp) -> hidden [num_tokens, hidden_size]` is the model runner's eager forward (prepare
     the attention, run the model). What a CUDA graph keeps is the memory a forward read and wrote when it was
     captured, so:
-    - __init__ allocates the static buffers once, sized for the largest bucket: the five of exercise 6.2
+    - __init__ allocates the static buffers once, sized for the largest bucket: the five of exercise 6.3
       (slot_mapping filled with -1) in `self.bufs`, and `self.out` [max_bucket, hidden_size] of `dtype`;
       `self.used_width = 0`;
     - capture() records, for every bucket bs, a function of no arguments that runs `forward` on a ModelInput
       built from the first bs rows of the buffers (a decode-only step: num_decode_seqs=bs, no prefill lists,
       no sampled rows: ModelInput(ids, positions, meta)) and copies the result into self.out[:bs]. It runs
       each function once (a capture runs the forward) and keeps it in `self.graphs[bs]`;
-    - replay(inp) loads a decode step with your load_static (6.2), calls the bucket's recorded function, and
+    - replay(inp) loads a decode step with your load_static (6.3), calls the bucket's recorded function, and
       returns self.out[:n], the step's own rows. It must not call `forward` on `inp` itself.
     """
 
     def __init__(self, forward: Callable[[ModelInput], torch.Tensor], buckets: list[int], max_blocks: int,
                  hidden_size: int, block_size: int, dtype: torch.dtype) -> None:
-        """Exercise 6.3: allocate the static buffers and the output once, for the largest bucket."""
-        raise NotImplementedError("Exercise 6.3: allocate the static buffers and the output once, for the largest bucket - see book/06c_capture_and_overlap.ipynb")
+        """Exercise 6.4: allocate the static buffers and the output once, for the largest bucket."""
+        raise NotImplementedError("Exercise 6.4: allocate the static buffers and the output once, for the largest bucket - see book/06c_capture_and_overlap.ipynb")
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Exercise 6.3: record (and run once) one forward per bucket over the static buffers."""
-        raise NotImplementedError("Exercise 6.3: record (and run once) one forward per bucket over the static buffers - see book/06c_capture_and_overlap.ipynb")
+        """Exercise 6.4: record (and run once) one forward per bucket over the static buffers."""
+        raise NotImplementedError("Exercise 6.4: record (and run once) one forward per bucket over the static buffers - see book/06c_capture_and_overlap.ipynb")
 
     @torch.inference_mode()
     def replay(self, inp: ModelInput) -> torch.Tensor:
-        """Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows."""
-        raise NotImplementedError("Exercise 6.3: load a decode step into the buffers, replay its bucket's forward, return its rows - see book/06c_capture_and_overlap.ipynb")
-
-
-def count_ops(fn: Callable[[], object]) -> Counter[str]:
-    """Exercise 6.4: the aten ops that calling `fn()` dispatches, counted by name.
-
-    Run fn() under a torch.utils._python_dispatch.TorchDispatchMode whose __torch_dispatch__(func, types,
-    args, kwargs) counts func.overloadpacket.__name__ ("add" for aten.add.Tensor, "linear", "view", ...) and
-    then runs func(*args, **kwargs). Return a Counter {op name: calls}. (A C++ extension bound with pybind11,
-    like nanoengine's CPU kernels, is one call that dispatches only the aten ops it calls itself.)
-    """
-    raise NotImplementedError("Exercise 6.4: the aten ops that calling `fn()` dispatches, counted by name - see book/06a_step_cost.ipynb")
-
-
-def predict_step_ms(num_ops: int, per_op_us: float, bytes_moved: float,
-                    bandwidth_gbs: float) -> dict[str, float]:
-    """Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there.
-
-    overhead_ms = num_ops x per_op_us (the host's cost of dispatching each op, whatever its size), in ms;
-    memory_ms = bytes_moved / (bandwidth_gbs x 1e9) (reading the weights and the KV cache), in ms;
-    total_ms = overhead_ms + memory_ms. Return {"overhead_ms", "memory_ms", "total_ms"}.
-    """
-    raise NotImplementedError("Exercise 6.4: a step's time on one CPU thread, predicted from two costs that do not overlap there - see book/06a_step_cost.ipynb")
+        """Exercise 6.4: load a decode step into the buffers, replay its bucket's forward, return its rows."""
+        raise NotImplementedError("Exercise 6.4: load a decode step into the buffers, replay its bucket's forward, return its rows - see book/06c_capture_and_overlap.ipynb")
 
 
 def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:

@@ -23,39 +23,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "ch05_continuous_batching.py"
 pytestmark = pytest.mark.xdist_group("ex_ch05")
 
-ADMIT_SCAN = '''        for seq in list(sched.waiting):
-            if budget <= 0 or len(sched.running) >= sched.max_num_seqs:
-                break
-            hits = bm.match_prefix(seq)
-            seq.num_cached_tokens = hits
-            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq, n):
-                bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-                continue
-            is_prefill = seq.is_prefill
-            out.blocks_allocated += bm.allocate(seq, n)
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+# 5.2 admits through 5.0 (admit_prompts): the reference hands it the front of the queue at once
+ADMIT_ALL = '''        room = max(sched.max_num_seqs - len(sched.running), 0)
+        for seq, n in admit_prompts(bm, list(islice(sched.waiting, room)), budget):  # your 5.0
             sched.waiting.remove(seq)
 '''
-ADMIT_LOOP = '''        while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:
-            seq = sched.waiting[0]
-            hits = bm.match_prefix(seq)
-            seq.num_cached_tokens = hits
-            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq, n):
-                bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+ADMIT_ONE_BY_ONE = '''        while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            admitted = admit_prompts(bm, [sched.waiting[0]], budget)
+            if not admitted:
                 break
-            is_prefill = seq.is_prefill
-            out.blocks_allocated += bm.allocate(seq, n)
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+            seq, n = admitted[0]
             sched.waiting.popleft()
 '''
-REGISTER = "        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)\n"
-# mistake -> (exercise, [(a line or block of the solution, what it becomes)], words the message must say)
+UNDO = "            seq.num_computed_tokens = seq.num_cached_tokens = 0\n"
+REGISTER = "        bm.cache_full_blocks(seq, seq.num_computed_tokens + n)\n"  # (5.2's running pass, and 5.0)
+# mistake -> (exercise whose check runs, [(a line or block of the solution, what it becomes)], words the
+# message must say). Mistakes planted in admit_prompts (5.0's code) must fail 5.2's check too: 5.2 admits
+# through it
 PLANTED_SCHEDULING = {
     "victim taken from the oldest (already scheduled)": (
         "5.1", [("        victim = sched.running.pop()\n", "        victim = sched.running.pop(0)\n")],
@@ -66,40 +50,36 @@ PLANTED_SCHEDULING = {
         "5.1", [("        sched.waiting.appendleft(victim)\n", "        sched.waiting.append(victim)\n")],
         "FRONT of the queue"),
     "blocks registered at the end of the step": (
-        "5.2", [("    " + REGISTER, ""), (REGISTER, ""),
+        "5.2", [(REGISTER, ""),
                 ("    out.num_batched_tokens = sched.max_num_batched_tokens - budget\n",
                  "    for s in out.scheduled:\n        bm.cache_full_blocks(s.seq, s.start + "
                  "s.num_new_tokens)\n"
                  "    out.num_batched_tokens = sched.max_num_batched_tokens - budget\n")],
         "as soon as it is scheduled"),
     "blocks registered before the step computes them": (
-        "5.2", [("    " + REGISTER, "            bm.cache_full_blocks(seq, seq.num_tokens)\n"),
-                (REGISTER, "        bm.cache_full_blocks(seq, seq.num_tokens)\n")],
-        "never before"),
+        "5.2", [(REGISTER, "        bm.cache_full_blocks(seq, seq.num_tokens)\n")], "never before"),
     "admission past max_num_seqs": (
-        "5.2", [("        while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:\n",
-                 "        while sched.waiting and budget > 0:\n")], "max_num_seqs is"),
-    "a later waiting sequence overtakes one that does not fit": (
-        "5.2", [(ADMIT_LOOP, ADMIT_SCAN)], "first come, first served"),
-    "a full prefix hit counted as computed": (
-        "5.2", [("            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)\n",
-                 "            seq.num_computed_tokens = hits\n")], "last prompt token"),
-    "no chunked prefill": (
-        "5.2", [("            n = min(seq.num_tokens - seq.num_computed_tokens, budget)\n"
-                 "            if not bm.can_allocate(seq, n):\n",
-                 "            n = seq.num_tokens - seq.num_computed_tokens\n"
-                 "            if n > budget or not bm.can_allocate(seq, n):\n")], "is chunked"),
-    "prefix hits of a sequence not admitted kept": (
-        "5.2", [("                bm.free(seq)\n"
-                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n",
-                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n")],
-        "gives its prefix hits back"),
+        "5.2", [("list(islice(sched.waiting, room))", "list(sched.waiting)")], "max_num_seqs is"),
+    "the prefix hits listed as allocated blocks": (
+        "5.2", [("seq.block_table[hits // bm.block_size:]", "list(seq.block_table)")],
+        "out.blocks_allocated is"),
     "a loop that never ends": (
-        "5.2", [("                seq.num_computed_tokens = seq.num_cached_tokens = 0\n"
-                 "                break\n",
-                 "                seq.num_computed_tokens = seq.num_cached_tokens = 0\n"
-                 "                continue\n")],
+        "5.2", [(ADMIT_ALL, ADMIT_ONE_BY_ONE.replace("                break\n",
+                                                     "                continue\n"))],
         "a loop that never ends"),
+    # in admit_prompts (5.0), which 5.2 calls
+    "a later waiting sequence overtakes one that does not fit": (
+        "5.2", [(UNDO + "            break\n", UNDO + "            continue\n")], "first come, first served"),
+    "a full prefix hit counted as computed": (
+        "5.2", [("        seq.num_computed_tokens = min(hits, seq.num_tokens - 1)\n",
+                 "        seq.num_computed_tokens = hits\n")], "last prompt token"),
+    "no chunked prefill": (
+        "5.2", [("        n = min(seq.num_tokens - seq.num_computed_tokens, budget)\n"
+                 "        if not bm.can_allocate(seq, n):\n",
+                 "        n = seq.num_tokens - seq.num_computed_tokens\n"
+                 "        if n > budget or not bm.can_allocate(seq, n):\n")], "is chunked"),
+    "prefix hits of a sequence not admitted kept": (
+        "5.2", [("            bm.free(seq)\n" + UNDO, UNDO)], "gives its prefix hits back"),
 }
 
 # different valid choices: each must pass 5.1's and 5.2's checks
@@ -134,31 +114,17 @@ NEWEST_FIRST = '''    bm = sched.block_manager
             return False
     return True
 '''
-SIBLINGS_WAIT = '''        j = 0
-        while j < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
-            seq = sched.waiting[j]
-            first = seq.wait_for
-            if (first is not None and not first.is_finished
-                    and first.num_computed_tokens < first.num_prompt_tokens):
-                j += 1
-                continue
-            hits = bm.match_prefix(seq)
-            seq.num_cached_tokens = hits
-            seq.num_computed_tokens = min(hits, seq.num_tokens - 1)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq, n):
-                bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-                break
-            is_prefill = seq.is_prefill
-            out.blocks_allocated += bm.allocate(seq, n)
-            bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
-            del sched.waiting[j]
+SIBLINGS_WAIT = '''        room = max(sched.max_num_seqs - len(sched.running), 0)
+        ready = [s for s in sched.waiting if s.wait_for is None or s.wait_for.is_finished
+                 or s.wait_for.num_computed_tokens >= s.wait_for.num_prompt_tokens]
+        for seq, n in admit_prompts(bm, ready[:room], budget):
+            sched.waiting.remove(seq)
 '''
 VALID = {
     "the largest victim, its blocks freed head first": [(NEWEST_FIRST, LARGEST_VICTIM)],
     "siblings wait for the first completion's prompt, and the largest victim": [
-        (NEWEST_FIRST, LARGEST_VICTIM), (ADMIT_LOOP, SIBLINGS_WAIT)],
+        (NEWEST_FIRST, LARGEST_VICTIM), (ADMIT_ALL, SIBLINGS_WAIT)],
+    "one admission at a time through 5.0": [(ADMIT_ALL, ADMIT_ONE_BY_ONE)],
 }
 
 
@@ -215,6 +181,33 @@ def test_a_stub_5_1_is_stood_in_for_by_the_engines(tmp_path):
     stub = '    raise NotImplementedError("Exercise 5.1: stub")\n'
     module = with_changes(tmp_path, [(NEWEST_FIRST, stub)])
     assert "the engine's 5.1 stood in" in schedule_checks.check_schedule(module)
+
+
+def solution_body(first: str, last: str) -> str:
+    source = SOLUTION.read_text()
+    start = source.index(first)
+    return source[start:source.index(last, start) + len(last)]
+
+
+def test_a_stub_5_0_stops_5_2s_check_naming_5_0(tmp_path):
+    """5.2 admits through 5.0 (part 05a): while 5.0 is the stub, 5.2's check stops as 5.0's todo, which
+    check() shows as "5.2 uses your 5.0, still todo"; an untouched 5.2 is still 5.2's own todo."""
+    from nanoengine.check import _stub_of
+
+    admit = solution_body("    admitted = []\n", "    return admitted\n")
+    module = with_changes(tmp_path / "a", [(admit, '    raise NotImplementedError("Exercise 5.0: stub")\n')])
+    with pytest.raises(NotImplementedError) as todo:
+        schedule_checks.check_schedule(module)
+    message = str(todo.value)
+    assert message.startswith("Exercise 5.0: your schedule (Exercise 5.2) admits through admit_prompts, "
+                              "which is still the stub") and "book/05a_admission.ipynb" in message, message
+    assert _stub_of(f"NotImplementedError: {message}") == "5.0"
+
+    step = solution_body("    bm = sched.block_manager\n    out = SchedulerOutput()\n", "    return out\n")
+    module = with_changes(tmp_path / "b", [(admit, '    raise NotImplementedError("Exercise 5.0: stub")\n'),
+                                           (step, '    raise NotImplementedError("Exercise 5.2: stub")\n')])
+    with pytest.raises(NotImplementedError, match=r"^Exercise 5\.2: stub$"):
+        schedule_checks.check_schedule(module)
 
 
 # ----------------------------------------------------------------------------------------------- 5.6
@@ -448,17 +441,19 @@ def test_all_your_pieces_on_the_reference_answers(monkeypatch):
 
 
 def test_all_your_pieces_says_which_piece_stood_in(tmp_path, monkeypatch):
-    """Your 1.3, one of your 3.x, your 5.3 and your MyEngine.step still stubs: each is reported as stood in
-    (and MyEngine's by the reference's), every other piece as yours, and the tokens are the engine's."""
+    """Your 1.3, one of your 3.x, your 5.0 and 5.3 and your MyEngine.step still stubs: each is reported as
+    stood in (and MyEngine's by the reference's), every other piece as yours, and the tokens are the
+    engine's."""
     from nanoengine.pieces.all_pieces import ENGINE, REFERENCE, YOURS, all_your_pieces
 
     folder = pieces_folder(tmp_path, {"ch01": ["detokenize_incrementally"], "ch03": ["store_kv"],
-                                      "ch05": ["build_inputs"], "ch11": ["step"]})
+                                      "ch05": ["admit_prompts", "build_inputs"], "ch11": ["step"]})
     monkeypatch.setenv("NANOENGINE_IMPL", str(folder))
     run = all_your_pieces()
     assert {r.exercises: r.source for r in run.rows} == {
         "1.3": ENGINE, "2.1, 2.2, 2.3": YOURS, "3.3, 3.5, 3.8": ENGINE, "4.1, 4.2, 4.4": YOURS,
-        "5.1, 5.2": YOURS, "5.3": ENGINE, "5.4, 5.5": YOURS, "11.1-11.3": REFERENCE}, run.table()
+        "5.0, 5.1, 5.2": "yours; the engine's 5.0", "5.3": ENGINE, "5.4, 5.5": YOURS,
+        "11.1-11.3": REFERENCE}, run.table()
     assert "your 3.3 still stub" in run.table() and "your step still stubs" in run.table(), run.table()
     assert run.same_tokens and run.same_text, run.table()
 

@@ -9,7 +9,7 @@ of the engine runs unchanged around them:
 | ch02 | RMSNorm, RoPE, causal GQA attention | the model's kernels (norms, rotation); prompts' attention |
 | ch03 | slot mapping, attention metadata; K/V store, Triton decode, prefill | the input builder; a backend |
 | ch04 | chained block hashes, prefix lookup, freeing | a BlockManager |
-| ch05 | the scheduling step (with preemption), the sampler | a Scheduler and a Sampler subclass |
+| ch05 | the scheduling step (admission, preemption), the sampler | a Scheduler and a Sampler subclass |
 | ch06 | graph buckets, padded static inputs, capture/replay (the CPU stand-in) | the decode graphs |
 | ch07 | a rank's rows of a weight; the parallel forwards, their collectives | every sharded layer's TPGroup |
 | ch09 | n-gram drafts, greedy acceptance, rolling back rejected drafts' blocks | proposer, verify, rollback |
@@ -45,7 +45,7 @@ CHAPTERS = {
     "ch03": "slot mapping and attention metadata, K/V store, paged decode (a Triton kernel; your 3.6 without "
             "triton) and prefill attention",
     "ch04": "chained block hashes, prefix-cache lookup and freeing in the block manager",
-    "ch05": "the scheduling step with preemption, and the sampler",
+    "ch05": "the scheduling step with admission and preemption, and the sampler",
     "ch06": "graph buckets, padded static inputs and stand-in graph capture/replay for decode steps (CPU)",
     "ch07": "a rank's shard of each weight, and the column-, row- and vocab-parallel forwards with their "
             "collectives",
@@ -60,7 +60,7 @@ PIECES = {
     "ch03": ("batch_slot_mapping", "attention_metadata", "store_kv", "paged_decode_kernel",
              "triton_paged_decode", "paged_prefill_attention"),
     "ch04": ("prefix_block_hashes", "count_cached_tokens", "PrefixCachingAllocator.free"),
-    "ch05": ("preempt_until_fits", "schedule", "process_logits", "sample"),
+    "ch05": ("admit_prompts", "preempt_until_fits", "schedule", "process_logits", "sample"),
     "ch06": ("graph_buckets", "pick_bucket", "load_static", "StandInGraphs.__init__", "StandInGraphs.capture",
              "StandInGraphs.replay"),
     "ch07": ("shard_merged_rows", "column_parallel_forward", "row_parallel_forward",

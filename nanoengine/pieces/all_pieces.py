@@ -44,7 +44,7 @@ IN_MY_ENGINE = {"ch02": ("rms_norm", "apply_rope", "causal_gqa_attention"),
 WHAT = {"ch02": "RMSNorm, RoPE, attention (the model's forward)",
         "ch03": "paged K/V store, decode and prefill attention",
         "ch04": "prefix cache: chained hashes, lookup, freeing"}
-CH05 = (("scheduler with preemption", ("5.1", "5.2")), ("input layout", ("5.3",)),
+CH05 = (("scheduler: admission, preemption", ("5.0", "5.1", "5.2")), ("input layout", ("5.3",)),
         ("sampler", ("5.4", "5.5")))
 
 

@@ -1,5 +1,5 @@
-"""Chapter 05's pieces in the engine: a Scheduler whose step is your `schedule` (with your preemption), and
-a Sampler that draws with your `sample` (with your filter chain).
+"""Chapter 05's pieces in the engine: a Scheduler whose step is your `schedule` (with your admission and
+preemption), and a Sampler that draws with your `sample` (with your filter chain).
 
 Your `schedule(sched)` already works on the engine's Scheduler state (its queues, budget and block manager),
 so the subclass calls it as its `pick` (who runs and how many tokens each); the scheduler then commits your

@@ -1,4 +1,4 @@
-"""Chapter 06's pieces in the engine: decode steps replayed by your stand-in graphs (6.1-6.3).
+"""Chapter 06's pieces in the engine: decode steps replayed by your stand-in graphs (6.2-6.4).
 
 The model runner asks its graphs two things, `can_replay(inp)` and `replay(inp)`, and captures them once
 (`capture()`). `LearnerGraphs` answers with your code: your `graph_buckets` chooses the buckets, your

@@ -19,7 +19,8 @@ another freeing order, admitting more or less eagerly) passes. What is checked:
   share the blocks the first one fills; every workload finishes within a stated number of steps.
 
 Every run is bounded in steps and every call in seconds (`time_limit`), so a loop that never ends reports
-itself. Where a check needs an earlier exercise that is still a stub, the engine's own piece stands in.
+itself. Where 5.2's check needs your 5.1 while it is still a stub, the engine's preemption stands in; your
+5.0, which 5.2 calls for its admissions, does not (a stub 5.0 stops the check with a message naming it).
 
 This module drives the workloads and judges the outcomes (`check_preempt` for 5.1, `check_schedule` for
 5.2); the rules checked on every call (`time_limit`, the books, the victims, one step's pick) are in
@@ -232,9 +233,11 @@ def step_bound(engine_steps: int) -> int:
 
 
 def check_schedule(module: ModuleType) -> str:
-    """Exercise 5.2 (with your 5.1, or the engine's while yours is a stub) on the workloads: the rules at
-    every step, the books after it, the tokens of the fake model equal each prompt's run alone, preemption
-    in the tight pool, identical prompts sharing within a step, and a bound on the steps."""
+    """Exercise 5.2 (with your 5.0 and 5.1; the engine's 5.1 while yours is a stub) on the workloads: the
+    rules at every step, the books after it, the tokens of the fake model equal each prompt's run alone,
+    preemption in the tight pool, identical prompts sharing within a step, and a bound on the steps. A stub
+    5.0 that your 5.2 calls for its admissions stops the check with a NotImplementedError that names 5.0
+    (check() shows "5.2 uses your 5.0, still todo"): 5.0 comes first, in part 05a."""
     schedule = module.schedule
     own_preempt = getattr(module, "preempt_until_fits", None)
     stand_in = own_preempt is not None and is_stub(own_preempt)
@@ -266,6 +269,13 @@ def check_schedule(module: ModuleType) -> str:
             notes.append(f"{wl.name}: {mine.steps} steps (engine {engine.steps}), {mine.preemptions} "
                          "preemptions")
         assert all(coverage.values()), f"test bug: the workloads should cover every case: {coverage}"
+    except NotImplementedError:
+        admit = getattr(module, "admit_prompts", None)
+        if admit is None or not is_stub(admit) or is_stub(schedule):  # (an untouched 5.2 is 5.2's todo)
+            raise
+        raise NotImplementedError(f"Exercise 5.0: your schedule (Exercise 5.2) admits through admit_prompts, "
+                                  "which is still the stub: write 5.0 first, then 5.2's checks run "
+                                  f"{where('5.0')}") from None
     finally:
         if stand_in:
             module.preempt_until_fits = own_preempt

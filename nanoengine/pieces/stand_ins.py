@@ -4,7 +4,7 @@ chapter 11) can be written and run before every piece is done. Chapters 05 and 1
 - `stand_ins(engine_class)`: while 5.6's checks run, the engine's own 5.2 (`Scheduler.pick`), 5.3 (the
   layout) and 5.5 (filters and an exact draw) replace each that is still the untouched stub;
 - `your_pieces()`: chapter 11's engine gets the learner's `schedule`, `build_inputs`, `sample` and `FlatBatch`
-  the same way, with `stood_in` naming the ones the engine's own replaced (5.1 and 5.4 too).
+  the same way, with `stood_in` naming the ones the engine's own replaced (5.0, 5.1 and 5.4 too).
 """
 
 from __future__ import annotations
@@ -19,6 +19,20 @@ from typing import Any
 import torch
 
 from nanoengine.engine.scheduler import Scheduler
+
+
+def _admit(bm: Any, waiting: list, budget: int) -> list:
+    """The engine's admission (`Scheduler.admit`, first come, first served), standing in for a stub 5.0."""
+    sched = Scheduler(bm, set(), max_num_batched_tokens=budget, max_num_seqs=len(waiting) + 1,
+                      max_model_len=bm.num_blocks * bm.block_size)
+    admitted = []
+    for seq in waiting:
+        n = sched.admit(seq, budget) if budget > 0 else None
+        if n is None:
+            break
+        admitted.append((seq, n))
+        budget -= n
+    return admitted
 
 
 def _layout(module: Any, scheduled: list, block_size: int) -> Any:
@@ -84,14 +98,14 @@ def _filters(logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
 def your_pieces(folder: Any = None) -> SimpleNamespace:
     """Your chapter 05 pieces for an engine of your own (chapter 11): `schedule`, `build_inputs`, `sample`
     and `FlatBatch` from your ch05 file (exercises/, or what NANOENGINE_IMPL names), the engine's own in
-    place of each one still a stub (5.1 and 5.4 too, which 5.2 and 5.5 call); `stood_in` lists those."""
+    place of each one still a stub (5.0, 5.1 and 5.4 too, which 5.2 and 5.5 call); `stood_in` lists those."""
     from nanoengine.pieces import folder_of
     from nanoengine.pieces.learner import is_stub, load
     from nanoengine.pieces.schedule_checks import engine_preempt
 
     module = load("ch05", folder_of(folder))
     stood_in = []
-    for name, number, fn in (("preempt_until_fits", "5.1", engine_preempt),
+    for name, number, fn in (("admit_prompts", "5.0", _admit), ("preempt_until_fits", "5.1", engine_preempt),
                              ("process_logits", "5.4", _filters)):
         if is_stub(getattr(module, name)):
             setattr(module, name, fn)

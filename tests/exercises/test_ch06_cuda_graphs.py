@@ -1,9 +1,10 @@
-"""Exercises of chapter 06 (book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb), checked against
-nanoengine's own decode graphs (engine/graphs.py: batch_buckets, DecodeGraphs.bucket_for and .load) on seeded
-decode batches (6.2: the step's rows exactly, the padding rows by what they must not do), 6.3 against tiny-
-qwen3's eager forward (its hidden states and the KV cache it leaves), 6.4 against
-nanoengine.viz.overhead.count_ops, and 6.5 against a host-side oracle and an engine that overlaps its steps
-(async_scheduling) on the learner's function, compared with one that does not."""
+"""Exercises of chapter 06 (book/06a_step_cost.ipynb .. 06c_capture_and_overlap.ipynb): 6.1 checked against
+nanoengine.viz.overhead.count_ops; 6.2 and 6.3 against nanoengine's own decode graphs (engine/graphs.py:
+batch_buckets, DecodeGraphs.bucket_for and .load) on seeded decode batches (6.3: the step's rows exactly, the
+padding rows by what they must not do); 6.4 against tiny-qwen3's eager forward (its hidden states and the KV
+cache it leaves); and 6.5 against a host-side oracle and an engine that overlaps its steps (async_scheduling)
+on the learner's function, compared with one that does not. (6.1's tests come after 6.4's, whose tiny-qwen3
+engine and decode steps they reuse.)"""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ NB = "06a_step_cost.ipynb"  # (a message names the part that sets its exercise: 
 SIZES = [*range(1, 41), 63, 64, 65, 100, 255, 256, 257, 511, 512, 513, 4096]
 
 
-# ------------------------------------------------------------------------------------------ 6.1
-def test_6_1_graph_buckets_match_the_engine(ex):
-    where = book(NB, "6.1")
+# ------------------------------------------------------------------------------------------ 6.2
+def test_6_2_graph_buckets_match_the_engine(ex):
+    where = book(NB, "6.2")
     for m in SIZES:
         got, want = ex.graph_buckets(m), batch_buckets(m)
         if got != want and isinstance(got, list) and got == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= m]:
@@ -45,8 +46,8 @@ def test_6_1_graph_buckets_match_the_engine(ex):
         assert_same_list(sorted(got) if isinstance(got, list) else got, want, f"graph_buckets({m}), sorted", where)
 
 
-def test_6_1_pick_bucket_matches_the_engine(ex):
-    where = book(NB, "6.1")
+def test_6_2_pick_bucket_matches_the_engine(ex):
+    where = book(NB, "6.2")
     for m in (1, 3, 8, 20, 40, 100):
         graphs = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", m, max_blocks=2, hidden_size=2,
                               block_size=4, dtype=torch.float32, device=torch.device("cpu"))
@@ -60,7 +61,7 @@ def test_6_1_pick_bucket_matches_the_engine(ex):
             assert_equal(got, want, f"pick_bucket({graphs.buckets}, {n})", where)
 
 
-# ------------------------------------------------------------------------------------------ 6.2
+# ------------------------------------------------------------------------------------------ 6.3
 BLOCK = 4
 
 
@@ -102,8 +103,8 @@ def fresh_buffers(rows: int, max_blocks: int) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()  # the engine's static buffers are inference tensors
-def test_6_2_load_static_matches_the_engines_buffers(ex):
-    where = book(NB, "6.2")
+def test_6_3_load_static_matches_the_engines_buffers(ex):
+    where = book(NB, "6.3")
     max_blocks = 32
     engine = DecodeGraphs(lambda inp: torch.zeros(inp.num_tokens, 2), "stand_in", 20, max_blocks, hidden_size=2,
                           block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
@@ -144,7 +145,7 @@ def test_6_2_load_static_matches_the_engines_buffers(ex):
         assert_equal(width, engine.used_width, f"{what}: the returned width", where)
 
 
-# ------------------------------------------------------------------------------------------ 6.3
+# ------------------------------------------------------------------------------------------ 6.4
 @pytest.fixture(scope="module")
 def tiny():
     return LLM("tiny-qwen3", dtype="float32", attention_backend="torch", block_size=BLOCK, max_num_seqs=8,
@@ -172,8 +173,8 @@ def decode_steps(llm: LLM, lengths=(14, 3, 9, 5, 11, 7)):
         eng.abort(rid)
 
 
-def test_6_3_replay_equals_eager_and_writes_only_real_rows(ex, tiny):
-    where = book(NB, "6.3")
+def test_6_4_replay_equals_eager_and_writes_only_real_rows(ex, tiny):
+    where = book(NB, "6.4")
     runner = tiny.engine.executor.runner
     cfg = tiny.plan
     seen: list[torch.Tensor] = []
@@ -216,7 +217,7 @@ def test_6_3_replay_equals_eager_and_writes_only_real_rows(ex, tiny):
     assert len(used) >= 3, f"the run was meant to replay several buckets, got {dict(used)}"
 
 
-# ------------------------------------------------------------------------------------------ 6.4
+# ------------------------------------------------------------------------------------------ 6.1
 def function_mode_counts(fn) -> Counter:
     """The classic mix-up: torch-level calls (TorchFunctionMode) instead of dispatched aten ops."""
     counts: Counter = Counter()
@@ -231,8 +232,8 @@ def function_mode_counts(fn) -> Counter:
     return counts
 
 
-def test_6_4_count_ops_matches_a_dispatch_counter(ex, tiny):
-    where = book(NB, "6.4")
+def test_6_1_count_ops_matches_a_dispatch_counter(ex, tiny):
+    where = book(NB, "6.1")
     torch.manual_seed(64)
     x, y, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 8)
     runner = tiny.engine.executor.runner
@@ -260,8 +261,8 @@ def test_6_4_count_ops_matches_a_dispatch_counter(ex, tiny):
         pass
 
 
-def test_6_4_predict_step_ms(ex):
-    where = book(NB, "6.4")
+def test_6_1_predict_step_ms(ex):
+    where = book(NB, "6.1")
     rng = random.Random(6)
     for _ in range(20):
         ops, us, nbytes, bw = rng.randint(10, 5000), rng.uniform(1, 20), rng.uniform(1e6, 2e9), rng.uniform(5, 500)
