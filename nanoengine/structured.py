@@ -6,7 +6,8 @@ vLLM's names: `SamplingParams(structured_outputs=StructuredOutputsParams(json=sc
 default; measured against llguidance on the Qwen3 tokenizer, CPU: tokenizer info 0.9 s vs 4.2 s, a small
 schema compiled in 28 ms vs 5 ms, a mask filled in 0.003 ms vs 0.017 ms per row), imported only when a
 request asks for structured outputs. How it runs in the engine (`StructuredOutputs`, one per engine):
-- a request's grammar is compiled when the request is made (`LLMEngine.make_request`), so a schema the
+- the grammars are made when a request first asks (engine/hooks.py's `NoGrammars.for_request`); a request's
+  grammar is compiled when the request is made (`check`, from `LLMEngine.make_request`), so a schema the
   library cannot compile is an InvalidValueError naming the problem (HTTP 400); compiled grammars are cached
   per (tokenizer, kind, canonical spec), and the tokenizer's info (the vocabulary as the library sees it,
   with the model's padding ids past the tokenizer's, which are never allowed) is built once per tokenizer;
@@ -130,6 +131,19 @@ class StructuredOutputs:
         self.matchers: dict[int, Any] = {}  # seq_id -> xgrammar.GrammarMatcher
         # seq_id -> [state, start id, end id] while its thinking is not over ("maybe" or "open")
         self.thinking: dict[int, list] = {}
+
+    def for_request(self, params: Any) -> StructuredOutputs:
+        """The grammars that serve any request: these (engine/hooks.py's NoGrammars made them)."""
+        return self
+
+    def made(self) -> StructuredOutputs:
+        return self
+
+    def check(self, params: Any) -> None:
+        """A request's grammar (SamplingParams.structured_outputs, if any) compiled as the request is made
+        (cached), so a schema the library cannot compile fails there (StructuredOutputsError)."""
+        if params.structured_outputs is not None:
+            self.compile(params.structured_outputs)
 
     def compile(self, params: Any) -> Any:
         """The compiled grammar of a StructuredOutputsParams (cached); StructuredOutputsError if the library

@@ -144,7 +144,8 @@ def test_every_attention_backend_implements_the_interface():
 
 
 EXTENSIONS = ("nanoengine.spec", "nanoengine.structured", "nanoengine.layers.logprobs", "nanoengine.serve",
-              "nanoengine.viz", "nanoengine.bench", "nanoengine.parsers", "nanoengine.tools", "xgrammar")
+              "nanoengine.viz", "nanoengine.bench", "nanoengine.parsers", "nanoengine.tools", "xgrammar",
+              "nanoengine.engine.overlap")
 
 
 def extensions_imported(params: str) -> list[str]:

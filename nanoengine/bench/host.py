@@ -56,7 +56,6 @@ class StubExecutor(Executor):
         self.blocks = num_blocks
         self.generator = torch.Generator().manual_seed(seed)
         self.sampler = parts.sampler  # the engine's draw, over the random logits
-        self.start_thread(plan)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -36,7 +36,6 @@ class MultiprocExecutor(Executor):
             with self.workers.lockstep():
                 self.runner = ModelRunner(plan, parts, self.workers.group, self.workers.local_rank)
             self.sampler = parts.sampler
-            self.start_thread(plan)
         except BaseException:  # (Ctrl-C included) no engine: stop them now, not when the traceback is dropped
             self.workers.close()
             raise

@@ -20,9 +20,9 @@ read from them (`ModelInput.prev_sampled`, nanoengine/engine/pending.py), so the
 before step N's tokens reach it. Where the forward runs:
 - on CUDA, in the caller's thread: kernels queue on the stream and the call returns; the tokens are copied to
   pinned memory behind an event, so waiting for them is waiting on that event, never a device sync;
-- on CPU with `async_scheduling`, on the executor's one thread (steps run in launch order, and every other
-  call is queued behind them), while the caller's thread goes on with Python: torch and the C++ decode step
-  release the GIL while they compute;
+- on CPU with overlap scheduling, on the executor's one thread (`run_on_thread`, which engine/overlap.py's
+  loop calls: steps run in launch order, and every other call is queued behind them), while the caller's
+  thread goes on with Python: torch and the C++ decode step release the GIL while they compute;
 - otherwise in the caller's thread, so `launch` returns when the step is done.
 """
 
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanoengine.engine.hooks import NO_REDUCTION, RowReducer
 from nanoengine.engine.inputs import ModelInput
 from nanoengine.engine.model_runner import ModelRunner
 from nanoengine.layers.sampler import Sampler, SamplingBatch
@@ -119,12 +120,13 @@ class Executor(ABC):
     run."""
     runner: ModelRunner
     sampler: Sampler  # parts.sampler: the engine's, or the learner's (chapter 05)
-    thread: ThreadPoolExecutor | None = None  # where steps run with async_scheduling on CPU
+    thread: ThreadPoolExecutor | None = None  # where steps run with overlap scheduling on CPU (run_on_thread)
     last_tokens: torch.Tensor | None = None  # the tokens of the step launched last, on rank 0's device
 
-    def start_thread(self, plan: EnginePlan) -> None:
-        """The forward thread of overlap scheduling on CPU (see the module docstring)."""
-        if plan.async_scheduling and plan.device == "cpu":
+    def run_on_thread(self) -> None:
+        """From now on, run every step (and every other call) on one thread of the executor's own, so that
+        `launch` returns at once (overlap scheduling on CPU: engine/overlap.py; see the module docstring)."""
+        if self.thread is None:
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="nanoengine-forward")
 
     @property
@@ -142,18 +144,19 @@ class Executor(ABC):
         its prompt-logprob rows, if any)."""
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
-    def launch(self, model_input: ModelInput, sampling: SamplingBatch,
-               logprobs: lp.LogprobsWanted | None = None, mask: LogitsMask | None = None) -> ForwardOutput:
+    def launch(self, model_input: ModelInput, sampling: SamplingBatch, reducer: RowReducer = NO_REDUCTION,
+               mask: LogitsMask | None = None) -> ForwardOutput:
         """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
-        without waiting where the device or the thread allows; its `tokens()` waits for them. `logprobs`: the
-        logprobs a request in the step asked for, reduced beside the draw. `mask`: the step's logits masks
-        (structured outputs' grammars, min_tokens: nanoengine/engine/logits_masks.py), None for none."""
+        without waiting where the device or the thread allows; its `tokens()` waits for them. `reducer`: the
+        step's row reducer, run beside the draw (engine/hooks.py: the logprobs a request in the step asked
+        for). `mask`: the step's logits masks (structured outputs' grammars, min_tokens:
+        nanoengine/engine/logits_masks.py), None for none."""
         out = ForwardOutput(model_input)
         if self.thread is not None:
-            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, logprobs, mask)
+            out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, reducer, mask)
         else:
             try:
-                self.run_and_draw(model_input, sampling, out, logprobs, mask)
+                self.run_and_draw(model_input, sampling, out, reducer, mask)
             except BaseException:
                 out.undo_draws()  # (the caller never sees this output: put its draws back here)
                 raise
@@ -161,7 +164,7 @@ class Executor(ABC):
 
     @torch.inference_mode()
     def run_and_draw(self, model_input: ModelInput, sampling: SamplingBatch, out: ForwardOutput,
-                     logprobs: lp.LogprobsWanted | None = None, mask: LogitsMask | None = None) -> None:
+                     reducer: RowReducer = NO_REDUCTION, mask: LogitsMask | None = None) -> None:
         start = time.perf_counter()
         logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
         num_sampled, drawn_from, tokens = model_input.num_sampled, None, None
@@ -173,8 +176,7 @@ class Executor(ABC):
             out.generator_states = [(g, g.get_state()) for _, g in sampling.seeded]
             tokens = self.sampler(drawn_from, sampling)  # [num_sampled]
         self.last_tokens = tokens
-        reduced = () if logprobs is None else logprobs.reduce(logits, drawn_from, tokens, sampling,
-                                                              num_sampled)  # (row reducers: logprobs)
+        reduced = reducer.reduce(logits, drawn_from, tokens, sampling, num_sampled)  # (logprobs; or nothing)
         out.set(tokens, (start, time.perf_counter()) if self.device.type == "cpu" else None, *reduced)
 
     def settle(self) -> None:
@@ -219,7 +221,6 @@ class UniprocExecutor(Executor):
     def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
         self.runner = ModelRunner(plan, parts, SINGLE)
         self.sampler = parts.sampler
-        self.start_thread(plan)
 
     def run_step(self, model_input: ModelInput, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         return self.runner.execute(model_input, prev_tokens)

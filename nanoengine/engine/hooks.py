@@ -3,11 +3,18 @@
 The core step is schedule -> launch -> finish (engine/llm_engine.py). An extension does not branch inside it;
 it is one object the engine holds at one of these seams, chosen when the engine is built:
 
+- **request checks** (logprobs' `max_logprobs`, engine/logprob_outputs.py; structured outputs' grammar
+  compiled): `check(params)` as a request is made, raising InvalidValueError for an option it cannot serve;
 - **draft source** (speculative decoding, nanoengine/spec/; without it `NoDrafts`): `propose(scheduler)`
   before `schedule`, `verify(out, tokens)` before `update`, `verified(scheduler, out, update)` after it,
   `release(seq)` when a sequence ends;
 - **logits masks** (structured outputs' grammars, `min_tokens`; chained by engine/logits_masks.py; without a
-  grammar `NoGrammars`): `mask(seqs)` as a step is launched, on a copy of the logits before the sampler;
+  grammar `NoGrammars`, which makes the grammars when a request first asks: `for_request(params)`):
+  `mask(seqs)` as a step is launched, on a copy of the logits before the sampler;
+- **row reducer** (logprobs, nanoengine/layers/logprobs.py; without a request that asked `NO_REDUCTION`):
+  `reduce(logits, drawn_from, tokens, sampling, num_sampled)` after the draw, on the executor's side;
+- **step loop** (engine/step.py's `StepLoop`, or overlap scheduling's `OverlapLoop`, engine/overlap.py;
+  chosen in `assemble()`): `step()`, `drain()`, `busy()`, `forget()`;
 - **step observers** (a trace's recorder, trace.py; speculation's cost model): `added(seqs)` as a request is
   added, `observe(step, update, stats)` after each step is finished.
 
@@ -94,8 +101,26 @@ class NoDrafts:
 
 
 class NoGrammars:
-    """The logits mask of an engine while no request has asked for structured outputs: no grammar, no mask
-    (LLMEngine.structured makes the grammars, nanoengine/structured.py, on first use)."""
+    """The logits mask of an engine while no request has asked for structured outputs: no grammar, no mask.
+    `for_request(params)` (or `made()`, LLMEngine.structured) makes the engine's grammars,
+    nanoengine/structured.py, when a request first asks: the engine holds what it returns."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Any) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+
+    def for_request(self, params: Any) -> Any:
+        """The grammars that serve a request with these SamplingParams: itself, or for one that asks for
+        structured outputs the engine's grammars, made now (`made`)."""
+        return self if params.structured_outputs is None else self.made()
+
+    def made(self) -> Any:
+        """The engine's grammars (nanoengine/structured.py's StructuredOutputs, imported here)."""
+        from nanoengine.structured import StructuredOutputs
+
+        return StructuredOutputs(self.tokenizer, self.vocab_size, self.stop_token_ids)
+
+    def check(self, params: Any) -> None:
+        pass  # (it serves only requests without structured outputs: for_request)
 
     def add(self, seq: Any) -> None:
         pass
@@ -111,6 +136,24 @@ class NoGrammars:
 
     def mask(self, seqs: Any) -> None:
         return None
+
+
+class RowReducer(Protocol):
+    """Reduces a step's logits beside the draw, on the logits' device (logprobs: layers/logprobs.py's
+    LogprobsWanted); what it returns goes with the step's tokens (ForwardOutput.set)."""
+
+    def reduce(self, logits: Any, drawn_from: Any, tokens: Any, sampling: Any, num_sampled: int) -> tuple:
+        ...
+
+
+class NoReduction:
+    """The row reducer of a step no request asked logprobs of: nothing."""
+
+    def reduce(self, logits: Any, drawn_from: Any, tokens: Any, sampling: Any, num_sampled: int) -> tuple:
+        return ()
+
+
+NO_REDUCTION = NoReduction()
 
 
 class StepObserver(Protocol):

@@ -6,10 +6,11 @@ Chapters 00 and 05.
 - launch: the input builder lays it out; the executor runs it on every rank and draws its tokens;
 - finish: once the tokens are known, the scheduler puts them in place and applies the stop rules
   (`Scheduler.update`), each Completion turns its tokens into text (stop strings), and the step is recorded.
-Extensions enter at declared hooks (engine/hooks.py: drafts, logits masks, step observers), which the loop
-calls without knowing who is behind them. `StepLoop` (engine/step.py) runs one step per call; overlap
-scheduling (chapter 06) swaps in engine/overlap.py's `OverlapLoop`. `nanoengine.launch.build_engine` builds
-an engine (settings -> plan -> parts -> executor) for `LLM` and the server.
+Extensions enter at declared hooks (engine/hooks.py: request checks, drafts, logits masks, row reducers, the
+step loop, step observers), which the engine calls without knowing who is behind them. The loop comes from the
+parts (`assemble()`): `StepLoop` (engine/step.py) runs one step per call; overlap scheduling (chapter 06) is
+engine/overlap.py's `OverlapLoop`. `nanoengine.launch.build_engine` builds an engine (settings -> plan ->
+parts -> executor) for `LLM` and the server.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class LLMEngine:
                  tokenizer: Any, build_engine: Callable[..., Any] | None = None) -> None:
         """The engine over a started executor (see nanoengine.launch.build_engine, which makes the rest and
         hands itself down as `build_engine`, for a draft model's engine). Its hooks (engine/hooks.py): the
-        draft source, the logits masks and the step observers."""
+        request checks, the draft source, the logits masks, the row reducer, the step loop and the step
+        observers."""
         self.config = config  # what the user asked for
         self.plan = plan  # what it resolved to here
         self.model_path = plan.model_path
@@ -79,20 +81,19 @@ class LLMEngine:
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)
-        self.logprobs = LogprobOutputs(tokenizer, config.logprobs_mode)  # what steps reduce, where it goes
-        # grammars of structured outputs: none until a request asks (`structured`), so
-        # nanoengine/structured.py and its library are imported only then
-        self.grammars: StructuredOutputs | NoGrammars = NoGrammars()
+        # what steps reduce, where it goes; it checks what a request asks (max_logprobs)
+        self.logprobs = LogprobOutputs(tokenizer, config.logprobs_mode, config.max_logprobs)
+        # grammars of structured outputs: none until a request asks (NoGrammars.for_request, `structured`),
+        # so nanoengine/structured.py and its library are imported only then
+        self.grammars: StructuredOutputs | NoGrammars = NoGrammars(tokenizer, plan.hf_config.vocab_size,
+                                                                   self.eos_token_ids)
         self._grammars_made = threading.Lock()  # (the server compiles a request's grammar on another thread)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0  # steps finished
-        # one step at a time, or overlap scheduling's loop (a step in flight while the next is scheduled)
-        self.loop: StepLoop | OverlapLoop = StepLoop(self)
-        if plan.async_scheduling:  # overlap scheduling (chapter 06) runs the same step in its own loop
-            from nanoengine.engine.overlap import OverlapLoop
-
-            self.loop = OverlapLoop(self)
+        # one step at a time, or overlap scheduling's loop (a step in flight while the next is scheduled):
+        # the parts' choice (assemble)
+        self.loop: StepLoop | OverlapLoop = parts.loop(self)
         self.trace: RunTrace | None = None  # what start_trace records into (its recorder: an observer)
         # one per step, the newest STATS_KEPT (a long-lived engine must not grow without bound);
         # LLM.generate clears it at the start of a run (clear_stats)
@@ -111,14 +112,10 @@ class LLMEngine:
         req = new_request(prompt, params, self.tokenizer, self.plan.hf_config.vocab_size, rid,
                           self.plan.block_size, final_only)
         params = req.params
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise InvalidValueError(f"{name}={k} is more than this engine's max_logprobs="
-                                        f"{self.config.max_logprobs}; ask for fewer, or raise max_logprobs "
-                                        "(the server's --max-logprobs)")
-        if params.structured_outputs is not None:  # compiled now (cached): a bad schema fails here
-            self.structured.compile(params.structured_outputs)
+        self.logprobs.check(params)  # (request checks: engine/hooks.py) at most max_logprobs
+        with self._grammars_made:  # the grammars that serve it (made when a request first asks for one)
+            grammars = self.grammars = self.grammars.for_request(params)
+        grammars.check(params)  # its grammar compiled now (cached): a bad schema fails here
         seqs = req.seqs
         for s in seqs[1:] if self.plan.enable_prefix_caching else ():
             s.wait_for = seqs[0]  # siblings share the first one's prompt blocks through the prefix cache
@@ -155,12 +152,8 @@ class LLMEngine:
     def structured(self) -> StructuredOutputs:
         """The engine's grammars of structured outputs (nanoengine/structured.py), made on first use."""
         with self._grammars_made:
-            if isinstance(self.grammars, NoGrammars):
-                from nanoengine.structured import StructuredOutputs
-
-                self.grammars = StructuredOutputs(self.tokenizer, self.plan.hf_config.vocab_size,
-                                                  self.eos_token_ids)
-        return self.grammars
+            grammars = self.grammars = self.grammars.made()
+        return grammars
 
     @property
     def spec_counts(self) -> SpecCounts:
@@ -363,7 +356,7 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (float32) of one prompt through the engine's model and KV cache, in
         one prefill: the book's way to compare the engine with transformers (chapter 02)."""
-        if self.in_flight is not None:
+        if self.loop.busy():
             raise InvalidValueError("prompt_logits needs an idle engine, but a step is in flight; call "
                                     "engine.drain() first")
         seq = Sequence(check_token_ids(list(token_ids), self.plan.hf_config.vocab_size), SamplingParams(),

@@ -3,9 +3,11 @@ returns go. Chapter 05.
 
 The reduction itself (log_softmax, the token's rank, the top k) runs on the logits' device next to the
 sampler (nanoengine/layers/logprobs.py, imported only when a request asks). Here, on the host:
-- `wanted(sampling, prompt_rows, targets)`: before a step is launched, what its rows need (None: nothing,
-  the step reduces nothing): the sampled rows' top k (the most any of its requests asked for), and the
-  prompt rows' targets (the next prompt token of each row, `SamplingParams.prompt_logprobs`);
+- `check(params)`: as a request is made, that it asks for at most the engine's `max_logprobs`;
+- `wanted(sampling, prompt_rows, targets)`: before a step is launched, the row reducer the executor runs after
+  its draw (engine/hooks.py; `NO_REDUCTION` when no request in it asked): the sampled rows' top k (the most
+  any of its requests asked for), and the prompt rows' targets (the next prompt token of each row,
+  `SamplingParams.prompt_logprobs`);
 - `deliver(step, update, requests)`: once its tokens are in place, each generated token's entry to its
   Completion and each prompt token's to its Request (a preempted prompt computed again writes the same
   entries again), each entry the token itself first, then the top k (`PositionLogprobs`, vLLM's shape).
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanoengine.engine.hooks import NO_REDUCTION, NoReduction
+from nanoengine.errors import InvalidValueError
 from nanoengine.outputs import Logprob, PositionLogprobs
 from nanoengine.tokenizer import TokenTexts
 
@@ -27,19 +31,30 @@ if TYPE_CHECKING:
     from nanoengine.engine.step import LaunchedStep
     from nanoengine.layers.logprobs import LogprobsWanted
     from nanoengine.layers.sampler import SamplingBatch
+    from nanoengine.sampling_params import SamplingParams
 
 
 class LogprobOutputs:
-    def __init__(self, tokenizer: Any, mode: str) -> None:
+    def __init__(self, tokenizer: Any, mode: str, max_logprobs: int) -> None:
         self.mode = mode  # the engine's logprobs_mode (raw or processed: config.py)
+        self.max_logprobs = max_logprobs  # the most top logprobs a request may ask for (config.py)
         self.token_texts = TokenTexts(tokenizer)  # each entry's decoded token
 
+    def check(self, params: SamplingParams) -> None:
+        """A request's logprobs and prompt_logprobs ask for at most `max_logprobs` (InvalidValueError)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise InvalidValueError(f"{name}={k} is more than this engine's max_logprobs="
+                                        f"{self.max_logprobs}; ask for fewer, or raise max_logprobs "
+                                        "(the server's --max-logprobs)")
+
     def wanted(self, sampling: SamplingBatch | None, prompt_rows: list[PromptRows],
-               targets: list[int]) -> LogprobsWanted | None:
-        """What a step's rows need reduced (None: no request in it asked)."""
+               targets: list[int]) -> LogprobsWanted | NoReduction:
+        """The row reducer of a step's rows (`NO_REDUCTION`: no request in it asked)."""
         k = None if sampling is None else sampling.num_logprobs  # (None: no row is sampled)
         if k is None and not prompt_rows:
-            return None
+            return NO_REDUCTION
         from nanoengine.layers.logprobs import LogprobsWanted
 
         wanted = LogprobsWanted(k, self.mode)

@@ -3,11 +3,12 @@ of its sampled rows. Chapter 03.
 
 Building: the model class from config.json's `architectures`, with the parts the engine was assembled from
 (`engine/parts.py`: attention backend, kernels, the rank's tensor-parallel group), then the weights, then the
-KV cache, then the decode path the plan's decode mode names (chapter 06): CUDA graphs or their CPU stand-in
-(`engine/graphs.py`), or every decoder layer in one C++ call (`models/fused_decode.py`). The KV pool holds the
-plan's block count, or on CUDA what is left of `gpu_memory_utilization` after a warm-up forward at the
-largest batch (weights + peak activations) and the graphs' memory (measured by capturing the largest bucket
-once); under tensor parallelism the smallest rank's pool wins.
+KV cache, then the decode path the plan's decode mode names (chapter 06), chosen once (`decode_path_of`): CUDA
+graphs or their CPU stand-in (`engine/graphs.py`), or every decoder layer in one C++ call
+(`models/fused_decode.py`), or none. The KV pool holds the plan's block count, or on CUDA what is left of
+`gpu_memory_utilization` after a warm-up forward at the largest batch (weights + peak activations) and what
+the decode path takes beside it (CUDA graphs' pool: measured by capturing the largest bucket once); under
+tensor parallelism the smallest rank's pool wins.
 One step (`execute`): its inputs go to this rank's device (asynchronously from pinned memory on CUDA); a
 decode-only step that the decode path takes runs there, any other step prepares the attention once and runs
 the model eagerly; logits are computed only for the sampled rows.
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
 def takes_none(inp: ModelInput) -> bool:
     """The decode path of an engine without one: every step runs eagerly."""
     return False
+
+
+def no_memory() -> int:
+    """What a decode path without a graph pool takes beside the KV cache: nothing."""
+    return 0
+
+
+# a decode path: (takes(inp), run(inp) -> hidden states [num_tokens, hidden]); other steps run eagerly
+DecodePath = tuple[Callable[[ModelInput], bool], Callable[[ModelInput], torch.Tensor]]
 
 
 def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,18 +104,34 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs (or the learner's), with decode mode CUDA_GRAPHS or STAND_IN
         self.fused: FusedDecode | None = None  # with decode mode FUSED_CPU
         self.graph_memory_bytes = 0  # the graph pool, measured before sizing the KV cache (CUDA)
+        # the decode path the plan's decode mode names: what it takes beside the KV cache (measured while the
+        # pool is sized, on CUDA), and how it is made once the cache is bound
+        self.decode_memory, make_decode_path = self.decode_path_of(plan.decode_mode)
         self.num_blocks = self.allocate_kv_cache()
-        # the decode path the plan's decode mode names: (takes(inp), run(inp)); other steps run eagerly
-        self.decode_path: tuple[Callable[[ModelInput], bool], Callable[[ModelInput], torch.Tensor]]
-        self.decode_path = (takes_none, self.eager_forward)
-        match plan.decode_mode:
-            case DecodeMode.CUDA_GRAPHS | DecodeMode.STAND_IN:
-                self.graphs = self.make_graphs()
-                self.graphs.capture()
-                self.decode_path = (self.graphs.can_replay, self.graphs.replay)
-            case DecodeMode.FUSED_CPU:  # built on the caches just bound
-                self.fused = FusedDecode(self.model, cpu_kernels.load())
-                self.decode_path = (self.fused.can_run, self.fused)
+        self.decode_path: DecodePath = make_decode_path()
+
+    def decode_path_of(self, mode: DecodeMode) -> tuple[Callable[[], int], Callable[[], DecodePath]]:
+        """(bytes it takes beside the KV cache, a maker of the decode path) of a decode mode."""
+        match mode:
+            case DecodeMode.CUDA_GRAPHS:
+                return self.measure_graph_memory, lambda: self.use_graphs("cuda")
+            case DecodeMode.STAND_IN:
+                return no_memory, lambda: self.use_graphs("stand_in")
+            case DecodeMode.FUSED_CPU:
+                return no_memory, self.use_fused
+        return no_memory, lambda: (takes_none, self.eager_forward)
+
+    def use_graphs(self, kind: str) -> DecodePath:
+        """Capture the decode graphs (`kind`: "cuda" or "stand_in") over the bound KV cache: a decode step
+        with a bucket replays one."""
+        self.graphs = self.make_graphs(kind)
+        self.graphs.capture()
+        return self.graphs.can_replay, self.graphs.replay
+
+    def use_fused(self) -> DecodePath:
+        """Every decoder layer in one C++ call, built on the KV cache just bound."""
+        self.fused = FusedDecode(self.model, cpu_kernels.load())
+        return self.fused.can_run, self.fused
 
     # ------------------------------------------------------------------------------------------ KV cache
     def allocate_kv_cache(self) -> int:
@@ -142,8 +168,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(dev)  # weights + the warm-up's activations
         free, total = torch.cuda.mem_get_info(dev)
         not_torch = total - free - torch.cuda.memory_reserved(dev)
-        if self.plan.decode_mode is DecodeMode.CUDA_GRAPHS:
-            self.graph_memory_bytes = self.measure_graph_memory()
+        self.graph_memory_bytes = self.decode_memory()  # (CUDA graphs' pool; 0 for the other paths)
         return utilization * total - not_torch - peak - self.graph_memory_bytes
 
     def warm_up(self) -> None:
@@ -172,7 +197,7 @@ class ModelRunner:
         dev = self.device
         self.bind_kv_cache(1)
         before = torch.cuda.memory_reserved(dev)
-        graphs = self.make_graphs()
+        graphs = self.make_graphs("cuda")
         graphs.capture(graphs.buckets[-1:])
         torch.cuda.synchronize(dev)
         used = torch.cuda.memory_reserved(dev) - before
@@ -180,10 +205,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return used
 
-    def make_graphs(self):
-        """The decode graphs (the engine's, or the learner's stand-in ones: parts.graphs builds them)."""
+    def make_graphs(self, kind: str):
+        """The decode graphs of `kind` ("cuda" or "stand_in"; the engine's, or the learner's stand-in ones:
+        parts.graphs builds them), not yet captured."""
         plan = self.plan
-        kind = "cuda" if plan.decode_mode is DecodeMode.CUDA_GRAPHS else "stand_in"
         return self.parts.graphs(self.eager_forward, kind, plan.max_num_seqs, plan.max_blocks_per_seq,
                                  plan.hf_config.hidden_size, self.block_size, self.dtype, self.device)
 
@@ -198,9 +223,10 @@ class ModelRunner:
         if inp.prev_sampled:
             inp = self.with_sampled_ids(inp, prev_tokens)
         hidden = self.forward(inp)  # [num_tokens, hidden]
-        if not (inp.num_sampled or inp.num_logprob_rows):
+        rows = inp.logits_rows  # [num_sampled (+ prompt rows)]: the rows whose logits the step wants
+        if not rows.shape[0]:
             return None
-        return self.model.compute_logits(hidden[inp.logits_rows])  # [num_sampled (+ prompt rows), vocab]
+        return self.model.compute_logits(hidden[rows])  # [num_sampled (+ prompt rows), vocab]
 
     def with_sampled_ids(self, inp: ModelInput, prev_tokens: torch.Tensor | None) -> ModelInput:
         """The step with its pending input ids (-(row + 1): row `row` of the step before's tokens) read from

@@ -3,8 +3,12 @@
 `OverlapLoop` launches step N+1 before it finishes step N, whose forward ran meanwhile, so the host's work for
 one hides behind the device's for the other (mini-sglang's shape: one object owns the step in flight and the
 error a step deferred). It stands in for the engine's plain `StepLoop` (step.py: schedule -> launch ->
-finish, one step per call) when the engine is built with overlap; `LLMEngine.step`, `drain` and
-`has_unfinished` ask whichever loop the engine holds (`LLMEngine.loop`).
+finish, one step per call) when the engine is built with overlap (`assemble()` chooses it); `LLMEngine.step`,
+`drain` and `has_unfinished` ask whichever loop the engine holds (`LLMEngine.loop`).
+
+On CUDA the forward's kernels run while the host goes on; on CPU the loop has the executor run its steps on a
+thread of their own (`Executor.run_on_thread`), so the host's Python runs beside the forward (torch and the
+C++ decode step release the GIL while they compute).
 
 The rules of the overlap loop:
 - a call launches the next step, then finishes the one in flight; the first call finishes none, and a step
@@ -31,6 +35,8 @@ class OverlapLoop:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        if engine.executor.device.type == "cpu":  # (on CUDA the kernels queue, and the launch returns)
+            engine.executor.run_on_thread()
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
         self.deferred_error: BaseException | None = None  # for the next step() or drain() to raise
 

@@ -4,8 +4,10 @@ plan's pieces say so (`use_exercises`, nanoengine.pieces). All chapters.
 `assemble(plan)` loads the learner's chapter files once (an untouched stub is an error naming its exercise,
 right here) and returns `EngineParts`, which the engine hands down: each rank's ModelRunner builds its model
 with `attention_backend`, `kernels` and `tp_group`, and its decode graphs with `graphs`; the driver builds its
-`block_manager_class`, `scheduler_class`, input builder (`attention_metadata`) and samples with `sampler`. A
-worker process calls `assemble` on the plan it is sent, so every rank runs the same pieces.
+`block_manager_class`, `scheduler_class`, input builder (`attention_metadata`) and step `loop`, and samples
+with `sampler`. A worker process calls `assemble` on the plan it is sent, so every rank runs the same pieces.
+The step loop is the engine's plain one (engine/step.py's `StepLoop`), or overlap scheduling's
+(engine/overlap.py's `OverlapLoop`, chapter 06) where the plan's `async_scheduling` says so.
 
 | pieces | replace |
 |---|---|
@@ -36,6 +38,7 @@ from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.graphs import DecodeGraphs
 from nanoengine.engine.inputs import MetadataBuilder
 from nanoengine.engine.scheduler import Scheduler
+from nanoengine.engine.step import StepLoop
 from nanoengine.kernels import triton_support
 from nanoengine.layers.moe import ENGINE_MOE, MoEPieces
 from nanoengine.layers.sampler import Sampler
@@ -63,6 +66,8 @@ class EngineParts:
     ngram_proposer_class: type | None = None
     accept: Callable[[list[int], list[int]], list[int]] | None = None
     moe: MoEPieces = ENGINE_MOE  # an MoE model's router and expert forward (layers/moe.py)
+    # the engine's step loop, made over the engine (loop(engine)): one step at a time, or overlap scheduling's
+    loop: type[Any] = StepLoop
 
 
 def same_group(group: TPGroup) -> TPGroup:
@@ -115,7 +120,7 @@ def assemble(plan: Any) -> EngineParts:
         backend = ch02.with_prompt_attention(backend, modules["ch02"])
     if "ch04" in modules:
         block_manager_class = ch04.block_manager_class(modules["ch04"])
-    if "ch05" in modules:  # your whole scheduling step (5.2), which admits by itself
+    if "ch05" in modules:  # your whole scheduling step (5.2, which admits through your 5.0)
         scheduler_class = ch05.scheduler_class(modules["ch05"], scheduler_class)
         sampler = ch05.LearnerSampler(modules["ch05"], plan.seed)
     if "ch06" in modules:
@@ -130,6 +135,11 @@ def assemble(plan: Any) -> EngineParts:
     moe = moe_pieces(plan)
     if "ch10" in modules:  # the learner's router and grouped forward, over the engine's choice
         moe = ch10.moe_pieces(modules["ch10"])
+    loop: type[Any] = StepLoop
+    if plan.async_scheduling:  # overlap scheduling's loop (chapter 06), imported only then
+        from nanoengine.engine.overlap import OverlapLoop
+
+        loop = OverlapLoop
     return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
-                       attention_metadata, sampler, ngram_proposer_class, accept, moe)
+                       attention_metadata, sampler, ngram_proposer_class, accept, moe, loop)
 

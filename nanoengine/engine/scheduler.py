@@ -78,6 +78,12 @@ class SchedulerOutput:
     blocks_hashed: list[int] = field(default_factory=list)
     updated: bool = False  # its tokens are in place (the engine's finish): it can no longer be undone
 
+    @property
+    def num_rows(self) -> int:
+        """The tokens its update takes: one per sampled sequence, and the drafts kept (each sequence states
+        how many rows it samples: 1 + its drafts)."""
+        return len(self.sampled) + self.num_drafts
+
 
 def admitted(out: SchedulerOutput) -> list[Sequence]:
     """The sequences a step admitted (waiting before it): the last of its scheduled ones, one per cache_hits
@@ -331,7 +337,7 @@ class Scheduler:
         meanwhile (aborted, or stopped by the token before: overlap) ignores its rows."""
         result = StepUpdate()
         bm, finished = self.block_manager, SequenceStatus.FINISHED
-        if len(tokens) != len(out.sampled) + out.num_drafts:
+        if len(tokens) != out.num_rows:
             raise InvalidValueError(f"update: got {len(tokens)} tokens for a step that samples "
                                     f"{len(out.sampled)} sequences (+ {out.num_drafts} drafts kept); pass "
                                     "one per sequence of out.sampled, in order")
