@@ -135,8 +135,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     mask)."""
     # q [q_len, num_heads, head_dim]; k, v [num_kv_heads, k_len, head_dim] (heads first)
     q_len, k_len = q.shape[0], k.shape[1]
-    # a batch of one: on CPU, 4-D inputs take SDPA's fused (flash) kernel, which never holds the [q_len, k_len]
-    # scores; 3-D ones its unfused math (4x to 7x slower at 2,048 tokens, SmolLM2's heads, 1 thread)
+    # a batch of one: on CPU, 4-D inputs take SDPA's fused (flash) kernel, which never holds the
+    # [q_len, k_len] scores; 3-D ones its unfused math (4x to 7x slower at 2,048 tokens, SmolLM2's heads,
+    # 1 thread)
     qt, kt, vt = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, len, head_dim]
     if q_len == k_len:  # no cached prefix: SDPA's own causal mask, which skips the blocks above the diagonal
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
