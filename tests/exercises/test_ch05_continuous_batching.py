@@ -22,6 +22,7 @@ from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.sampler import apply_top_k_top_p_min_p
+from nanoengine.pieces.schedule_rules import time_limit
 from nanoengine.sampling_params import SamplingParams
 
 CHAPTER = "ch05_continuous_batching"
@@ -244,7 +245,8 @@ def check_admit(fn, where: str) -> None:
         want_adm = engine_admit(w_bm, w_waiting, budget)
         want = admit_result(w_bm, w_waiting, want_adm)
         g_bm, g_waiting = copy.deepcopy((bm, waiting))
-        got_adm = fn(g_bm, list(g_waiting), budget)
+        with time_limit(5, f"admit_prompts (case {case})", "5.0"):  # a loop that never ends is named
+            got_adm = fn(g_bm, list(g_waiting), budget)
         got = admit_result(g_bm, g_waiting, list(got_adm) if isinstance(got_adm, (list, tuple)) else [])
         before = (f"[case {case}: block_size {bm.block_size}, budget {budget}, {bm.num_free_blocks} of "
                   f"{bm.num_blocks} blocks free, {len(bm.hash_to_block_id)} cached; waiting prompts of "
