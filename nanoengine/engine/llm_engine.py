@@ -235,7 +235,7 @@ class LLMEngine:
             return LaunchedStep(out, None, StepTimes(started, scheduled, scheduled, scheduled))
         inp, sample_seqs, prompt_rows, targets = self.inputs.build(out.scheduled)
         sampling = self.sampling.batch(sample_seqs)  # (the sequence of each sampled row)
-        wanted = self.logprobs.wanted(sampling, prompt_rows, targets)  # its row reducer (NO_REDUCTION: none asked)
+        wanted = self.logprobs.wanted(sampling, prompt_rows, targets)  # row reducer (NO_REDUCTION: none)
         mask = self.grammars.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
         if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
             mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
