@@ -137,15 +137,15 @@ def test_prompt_logprob_rows_follow_the_prompt_chunks():
     b = InputBuilder(bs)
     inp, _, rows, targets = b.build([ScheduledSeq(plain, 6, True), ScheduledSeq(wants, 4, True, start=0)])
     # plain's 6 rows first (scheduled first), then wants' positions 0..3, each predicting prompt token p + 1
-    assert inp.logprob_rows.tolist() == [6, 7, 8, 9]
+    assert inp.scored_rows.tolist() == [6, 7, 8, 9]
     assert [(r.seq, r.first, r.count) for r in rows] == [(wants, 1, 4)]
     assert targets == [501, 502, 503, 504]
     inp, _, _, targets = b.build([ScheduledSeq(wants, 1, True, start=4)])  # a 1-token chunk: as a decode
-    assert inp.logprob_rows.tolist() == [0] and targets == [505]
+    assert inp.scored_rows.tolist() == [0] and targets == [505]
     inp, sample_seqs, _, targets = b.build([ScheduledSeq(wants, 5, True, start=5)])  # to the end: sampled
-    assert inp.logprob_rows.tolist() == [0, 1, 2, 3] and targets == [506, 507, 508, 509]
+    assert inp.scored_rows.tolist() == [0, 1, 2, 3] and targets == [506, 507, 508, 509]
     assert inp.sample_rows.tolist() == [4] and sample_seqs == [wants]
     second = Sequence(list(range(500, 510)), SamplingParams(prompt_logprobs=2), bs)
     second.index, second.block_table = 1, [1, 2, 3]  # n > 1: the first completion computes them
     inp, _, rows, _ = b.build([ScheduledSeq(second, 10, True, start=0)])
-    assert inp.num_logprob_rows == 0 and rows == []
+    assert inp.num_scored_rows == 0 and rows == []

@@ -12,11 +12,12 @@ out in two passes, named as in nano-vllm, and writes it:
 Every new token gets its cache slot by one rule (`slot`: block * block_size + offset, or -1 when a
 prefix-cache block already holds its K/V). The sampled rows are one per sequence that reaches its last token
 (every row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
-`SchedulerOutput.sampled`: its update reads the tokens in that order); a request that asked for prompt
-logprobs also gets its prompt rows (each predicts the next prompt token), whose logits come after them.
+`SchedulerOutput.sampled`: its update reads the tokens in that order); a sequence that has its prompt rows
+scored (`Sequence.scored_until`: prompt logprobs) also gets those rows (each scores the next prompt token),
+whose logits come after them.
 `build` returns a `BuiltStep`: the `ModelInput` (tensors and plain numbers: what every rank needs), and what
 stays with the driver: the sequence of each sampled row (for the sampler and the scheduler), the
-prompt-logprob rows and the prompt tokens they predict.
+scored prompt rows and the prompt tokens they predict.
 
 Each ScheduledSeq says where its step starts (`start`: the scheduler has already counted the step's tokens as
 computed when it is built). A decode whose input is still pending (sampled by the step in flight, overlap
@@ -59,8 +60,8 @@ class ModelInput:
     # sampled (each a sequence's last token), in the order the sequences were scheduled
     prev_sampled: int = 0  # > 0: some input ids are -(row + 1), row `row` of the tokens of the step before
     # (which sampled this many)
-    logprob_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: prompt rows whose logprobs a
-    # request asked for (SamplingParams.prompt_logprobs); their logits follow the sampled rows'
+    scored_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: prompt rows whose logits a
+    # sequence has scored (Sequence.scored_until: prompt logprobs); their logits follow the sampled rows'
     # the same step in host memory, when these tensors are device copies of it (`to`): what tensor parallelism
     # sends the other ranks, so that rank 0 never copies device tensors back (that would wait for the step in
     # flight). Not an init field: a `dataclasses.replace`d input (other tensors) has none, and is sent as is
@@ -75,13 +76,13 @@ class ModelInput:
         return self.sample_rows.shape[0]
 
     @property
-    def num_logprob_rows(self) -> int:
-        return self.logprob_rows.shape[0]
+    def num_scored_rows(self) -> int:
+        return self.scored_rows.shape[0]
 
     @property
     def logits_rows(self) -> torch.Tensor:
-        """The rows whose logits the step computes: the sampled rows, then the prompt-logprob rows."""
-        return torch.cat([self.sample_rows, self.logprob_rows]) if self.num_logprob_rows else self.sample_rows
+        """The rows whose logits the step computes: the sampled rows, then the scored prompt rows."""
+        return torch.cat([self.sample_rows, self.scored_rows]) if self.num_scored_rows else self.sample_rows
 
     @property
     def is_decode_only(self) -> bool:
@@ -98,7 +99,7 @@ class ModelInput:
                            self.positions.to(device, non_blocking=non_blocking),
                            self.attn.to(device, non_blocking),
                            self.sample_rows.to(device, non_blocking=non_blocking), self.prev_sampled,
-                           self.logprob_rows.to(device, non_blocking=non_blocking))
+                           self.scored_rows.to(device, non_blocking=non_blocking))
         moved.host = self if self.input_ids.device.type == "cpu" else self.host
         return moved
 
@@ -108,8 +109,8 @@ class ModelInput:
 
 
 class PromptRows(NamedTuple):
-    """A sequence's prompt-logprob rows in one step: the prompt tokens first..first+count-1, each predicted at
-    the row of the token before it (SamplingParams.prompt_logprobs)."""
+    """A sequence's scored prompt rows in one step: the prompt tokens first..first+count-1, each predicted at
+    the row of the token before it (Sequence.scored_until: SamplingParams.prompt_logprobs)."""
     seq: Sequence
     first: int
     count: int
@@ -118,7 +119,7 @@ class PromptRows(NamedTuple):
 class BuiltStep(NamedTuple):
     inputs: ModelInput
     sample_seqs: list[Sequence]  # the sequence of each sampled row
-    prompt_rows: list[PromptRows] = []  # the prompt-logprob rows (ModelInput.logprob_rows), by sequence
+    prompt_rows: list[PromptRows] = []  # the scored prompt rows (ModelInput.scored_rows), by sequence
     prompt_targets: list[int] = []  # and the prompt token each of those rows predicts
 
 
@@ -144,13 +145,13 @@ class Rows:
     starts: list[int] = field(default_factory=list)  # each prefill chunk's first row, length and context
     qlens: list[int] = field(default_factory=list)
     ctxs: list[int] = field(default_factory=list)
-    logprob_rows: list[int] = field(default_factory=list)  # prompt rows whose logprobs a request asked for
+    scored_rows: list[int] = field(default_factory=list)  # prompt rows whose logits a sequence has scored
     prompt_rows: list[PromptRows] = field(default_factory=list)
     targets: list[int] = field(default_factory=list)  # the prompt token each of those rows predicts
 
     def add_prompt_rows(self, seq: Sequence, row: int, first: int, count: int) -> None:
-        """`count` prompt-logprob rows from `row`, predicting seq's prompt tokens first..first+count-1."""
-        self.logprob_rows += range(row, row + count)
+        """`count` scored prompt rows from `row`, predicting seq's prompt tokens first..first+count-1."""
+        self.scored_rows += range(row, row + count)
         self.prompt_rows.append(PromptRows(seq, first, count))
         self.targets += seq.token_ids[first:first + count]
 
@@ -222,7 +223,7 @@ class InputBuilder:
                 if pos + 1 >= known:  # it reaches its end: its next token is sampled
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(seq)
-                elif pos + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs:  # a 1-token prompt chunk
+                elif pos < seq.scored_until:  # a 1-token prompt chunk whose row is scored
                     rows.add_prompt_rows(seq, len(ids) - 1, pos + 1, 1)
                 continue
             for p, token in enumerate([token_ids[pos], *seq.spec_token_ids], pos):  # every row sampled
@@ -251,8 +252,8 @@ class InputBuilder:
             ids += chunk
             rows.positions += range(start, start + n)
             rows.slots += [slot(seq, pos, block_size) for pos in range(start, start + n)]
-            last = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token: before it
-            if last > start and seq.wants_prompt_logprobs:
+            last = min(start + n, seq.scored_until)  # its scored rows in this chunk: start..last-1
+            if last > start:
                 rows.add_prompt_rows(seq, first, start + 1, last - start)
             if start + n >= known:  # the chunk reaches the end: its last known token's row and the drafts'
                 for pos in range(known - 1, start + n):
@@ -274,11 +275,11 @@ class InputBuilder:
         host.sample_rows[:len(sample_rows)] = sample_rows
         sampled = host.sample_rows_t[:len(sample_rows)]
         self.last_sample_seqs = rows.sample_seqs
-        lp_rows = torch.tensor(rows.logprob_rows, dtype=torch.int64) if rows.logprob_rows else no_rows()
-        # (lp_rows [P]: the prompt-logprob rows)
+        scored = torch.tensor(rows.scored_rows, dtype=torch.int64) if rows.scored_rows else no_rows()
+        # (scored [P]: the scored prompt rows)
         if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
             meta = self.attention_metadata(decodes + prefills, block_size)
-            inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, lp_rows)
+            inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, scored)
             return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
         host.slots[:n] = rows.slots
         # block tables of the decodes, and their context lengths (the new token included)
@@ -297,7 +298,7 @@ class InputBuilder:
             slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
             decode_context_lens=dctx, prefill_query_starts=rows.starts, prefill_query_lens=rows.qlens,
             prefill_context_lens=rows.ctxs, prefill_block_tables=ptables, block_size=block_size)
-        inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, lp_rows)
+        inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, scored)
         return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
 
     def host_buffers(self, tokens: int, seqs: int, blocks: int) -> HostBuffers:
@@ -357,7 +358,7 @@ def verifies(s: Any) -> bool:
 
 def tensors_of(inp: ModelInput) -> list[torch.Tensor]:
     """Every tensor a ModelInput holds, its attention metadata's included."""
-    found = [inp.input_ids, inp.positions, inp.sample_rows, inp.logprob_rows]
+    found = [inp.input_ids, inp.positions, inp.sample_rows, inp.scored_rows]
     for value in vars(inp.attn).values():
         for t in value if isinstance(value, list) else [value]:
             if isinstance(t, torch.Tensor):

@@ -278,9 +278,9 @@ class Scheduler:
         cache now, so that an identical prompt admitted later in this step shares them. Returns its new
         tokens."""
         bm = self.block_manager
-        # a request that asked for prompt logprobs computes its whole prompt (a prefix-cache hit has no
-        # logits; vLLM does the same); the blocks it fills are still cached for others
-        seq.num_cached_tokens = 0 if seq.wants_prompt_logprobs else bm.match_prefix(seq)
+        # a sequence whose prompt rows are scored (prompt logprobs) computes its whole prompt (a prefix-cache
+        # hit has no logits; vLLM does the same); the blocks it fills are still cached for others
+        seq.num_cached_tokens = 0 if seq.scored_until else bm.match_prefix(seq)
         # always compute the last token
         seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)

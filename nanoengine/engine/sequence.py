@@ -87,9 +87,13 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Its request asked for prompt logprobs, and it is the completion that computes them (the first)."""
-        return self.index == 0 and getattr(self.sampling_params, "prompt_logprobs", None) is not None
+    def scored_until(self) -> int:
+        """Its prompt rows before this position have their logits scored against the next prompt token (0:
+        none): all of them where its request asked for prompt logprobs and it is the completion that computes
+        them (the first). The input builder lays those rows out, and the scheduler computes them all."""
+        if self.index == 0 and getattr(self.sampling_params, "prompt_logprobs", None) is not None:
+            return self.num_prompt_tokens - 1
+        return 0
 
     @property
     def is_finished(self) -> bool:
