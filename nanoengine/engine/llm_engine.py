@@ -35,7 +35,7 @@ from nanoengine.engine.logprob_outputs import LogprobOutputs
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Request, check_token_ids, new_request
 from nanoengine.engine.sampling import SamplingBatcher
-from nanoengine.engine.scheduler import ScheduledSeq, SchedulerOutput, StepUpdate
+from nanoengine.engine.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
 from nanoengine.engine.sequence import Sequence
 from nanoengine.engine.step import EngineLoad, LaunchedStep, StepLoop, StepResult, StepTimes, TextDelta
 from nanoengine.errors import InvalidValueError

@@ -27,7 +27,7 @@ from nanoengine.tokenizer import TokenTexts
 if TYPE_CHECKING:
     from nanoengine.engine.inputs import PromptRows
     from nanoengine.engine.request import Request
-    from nanoengine.engine.scheduler import StepUpdate
+    from nanoengine.engine.scheduler_output import StepUpdate
     from nanoengine.engine.step import LaunchedStep
     from nanoengine.layers.logprobs import LogprobsWanted
     from nanoengine.layers.sampler import SamplingBatch

@@ -31,7 +31,7 @@ import torch
 from nanoengine.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from nanoengine.engine.scheduler import SchedulerOutput
+    from nanoengine.engine.scheduler_output import SchedulerOutput
 
 
 def hold_place(seq: Sequence) -> None:

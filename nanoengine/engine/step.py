@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from nanoengine.engine.inputs import PromptRows
     from nanoengine.engine.llm_engine import LLMEngine
     from nanoengine.engine.request import Request
-    from nanoengine.engine.scheduler import SchedulerOutput
+    from nanoengine.engine.scheduler_output import SchedulerOutput
     from nanoengine.engine.sequence import Sequence
     from nanoengine.trace import StepStats
 
