@@ -111,7 +111,10 @@ class PackableLinear(nn.Linear):
 
     def use_bf16_prefill(self, min_rows: int = BF16_PREFILL_MIN_ROWS) -> None:
         """Multiply float32 batches of over min_rows rows in bf16 (see the module docstring): the weight
-        packed for oneDNN where this torch has its bf16 path, else a plain bf16 copy (the same products)."""
+        packed for oneDNN where this torch has its bf16 path, else a plain bf16 copy (the same products).
+        The layer's bf16 copies come first (`use_bf16`): their kernels run it."""
+        if self.kernels is None:
+            raise InvalidValueError("use_bf16_prefill: the layer has no C++ kernels yet; call use_bf16 first")
         w = self.weight.detach().bfloat16()  # [out, in]
         packable = onednn_bf16_available()
         self.bf16_prefill_weight = torch.ops.mkldnn._reorder_linear_weight(w) if packable else w
@@ -137,10 +140,8 @@ class PackableLinear(nn.Linear):
                                             self.int8_group_size)  # [rows, out]
         if (self.bf16_prefill_weight is not None and rows is not None and rows > self.bf16_min_rows
                 and x.dtype == torch.float32):
-            w, xb = self.bf16_prefill_weight, x.bfloat16()
-            y = (torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "") if w.is_mkldnn
-                 else F.linear(xb, w)).float()  # [rows, out] (the C++ onednn_bf16_linear's products)
-            return y if bias is None else y + bias
+            # [rows, out]: rounded to bf16, oneDNN's bf16 matmul, back to float32 (+ bias), as the fused step
+            return self.kernels.onednn_bf16_linear(x, self.bf16_prefill_weight, bias)
         if self.bf16_weight is not None and rows is not None and rows <= self.bf16_max_rows:
             return self.kernels.bf16_linear(x, self.bf16_weight, bias, self.out_features)  # [rows, out]
         copies = self.bf16_weight is not None or self.int8_weight is not None

@@ -35,30 +35,29 @@ def _admit(bm: Any, waiting: list, budget: int) -> list:
     return admitted
 
 
+def engine_layout(scheduled: list, block_size: int, builder: Any = None) -> dict[str, list]:
+    """The engine's layout of a step (engine/inputs.py's InputBuilder; `builder`: one kept across steps) as
+    the fields of chapter 05's FlatBatch, its sampled rows in row order (the engine hands them over in
+    scheduled order)."""
+    from nanoengine.engine.inputs import InputBuilder
+
+    inp, sample_seqs = (builder or InputBuilder(block_size)).build(scheduled)[:2]
+    sampled = sorted(zip(inp.sample_rows.tolist(), [s.seq_id for s in sample_seqs]))
+    a = inp.attn
+    tables, lens = a.decode_block_tables, a.decode_context_lens  # (None without decodes)
+    return {"input_ids": inp.input_ids.tolist(), "positions": inp.positions.tolist(),
+            "slot_mapping": a.slot_mapping.tolist(),
+            "decode_block_tables": [] if tables is None else tables.tolist(),
+            "decode_context_lens": [] if lens is None else lens.tolist(),
+            "prefill_query_starts": list(a.prefill_query_starts),
+            "prefill_query_lens": list(a.prefill_query_lens),
+            "prefill_context_lens": list(a.prefill_context_lens),
+            "sample_rows": [r for r, _ in sampled], "sample_seq_ids": [i for _, i in sampled]}
+
+
 def _layout(module: Any, scheduled: list, block_size: int) -> Any:
-    """The engine's layout of a step (chapter 05's FlatBatch), standing in for a stub 5.3."""
-    flat = module.FlatBatch()
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    chunks = [s for s in scheduled if s.num_new_tokens != 1]
-    for group in (decodes, chunks):
-        for s in group:
-            seq = s.seq
-            if group is chunks:
-                flat.prefill_query_starts.append(len(flat.input_ids))
-                flat.prefill_query_lens.append(s.num_new_tokens)
-                flat.prefill_context_lens.append(s.start + s.num_new_tokens)
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                flat.input_ids.append(seq.token_ids[pos])
-                flat.positions.append(pos)
-                flat.slot_mapping.append(-1 if pos < seq.num_cached_tokens else
-                                         seq.block_table[pos // block_size] * block_size + pos % block_size)
-            if s.start + s.num_new_tokens == len(seq.token_ids):
-                flat.sample_rows.append(len(flat.input_ids) - 1)
-                flat.sample_seq_ids.append(seq.seq_id)
-    width = max((len(s.seq.block_table) for s in decodes), default=0)
-    flat.decode_block_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-    flat.decode_context_lens = [s.start + 1 for s in decodes]
-    return flat
+    """The engine's layout of a step as your FlatBatch, standing in for a stub 5.3."""
+    return module.FlatBatch(**engine_layout(scheduled, block_size))
 
 
 def _draw(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],

@@ -23,6 +23,7 @@ from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.sequence import Sequence
 from nanoengine.layers.sampler import apply_top_k_top_p_min_p
 from nanoengine.pieces.schedule_rules import time_limit
+from nanoengine.pieces.stand_ins import engine_layout
 from nanoengine.sampling_params import SamplingParams
 
 CHAPTER = "ch05_continuous_batching"
@@ -307,17 +308,7 @@ FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", 
 
 
 def engine_flat(scheduled, builder: InputBuilder) -> dict:
-    inp, sample_seqs = builder.build(scheduled)[:2]
-    # (the engine hands its sampled rows over in scheduled order; the exercise lists them in row order)
-    sampled = sorted(zip(inp.sample_rows.tolist(), [s.seq_id for s in sample_seqs]))
-    a = inp.attn
-    return {"input_ids": inp.input_ids.tolist(), "positions": inp.positions.tolist(),
-            "slot_mapping": a.slot_mapping.tolist(),
-            "decode_block_tables": a.decode_block_tables.tolist() if a.decode_block_tables is not None else [],
-            "decode_context_lens": a.decode_context_lens.tolist() if a.decode_context_lens is not None else [],
-            "prefill_query_starts": list(a.prefill_query_starts), "prefill_query_lens": list(a.prefill_query_lens),
-            "prefill_context_lens": list(a.prefill_context_lens), "sample_rows": [r for r, _ in sampled],
-            "sample_seq_ids": [i for _, i in sampled]}
+    return engine_layout(scheduled, builder.block_size, builder)
 
 
 def variant_flat(scheduled, bs: int, mode: str) -> dict:
