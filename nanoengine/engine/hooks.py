@@ -17,6 +17,9 @@ it is one object the engine holds at one of these seams, chosen when the engine 
   chosen in `assemble()`): `step()`, `drain()`, `busy()`, `forget()`;
 - **step observers** (a trace's recorder, trace.py; speculation's cost model): `added(seqs)` as a request is
   added, `observe(step, update, stats)` after each step is finished.
+- **attention layout** (the input builder's: the engine's own `PagedLayout`, engine/inputs.py, or the
+  learner's chapter 03 metadata, nanoengine/pieces/ch03.py; chosen in `assemble()`): `metadata(builder, rows,
+  decodes, prefills)` as a step's inputs are written, and `verify_as_decodes`.
 
 A sequence states what a step computes for it: its tokens not yet computed plus the drafts a draft source put
 in `spec_token_ids` (verified in the same pass), and how many rows it samples (1 + its drafts). The scheduler

@@ -7,8 +7,9 @@ out in two passes, named as in nano-vllm, and writes it:
   drafts at positions p..p+k, each attending up to its own position (every row's K/V is stored before any row
   attends), so the step stays decode-only: the fused CPU step and CUDA graphs run it;
 - prefill chunks (`lay_out_prefills`): then every prompt chunk, with its query start, length and context;
-- `write`: the rows into host buffers, the decode rows' block tables padded into one [num_decode_rows,
-  max_blocks] array, and the attention metadata.
+- `write`: the rows into host buffers, and the attention metadata, laid out by the builder's `layout` (the
+  engine's own, `PagedLayout`: the decode rows' block tables padded into one [num_decode_rows, max_blocks]
+  array; or the learner's, chapter 03).
 Every new token gets its cache slot by one rule (`slot`: block * block_size + offset, or -1 when a
 prefix-cache block already holds its K/V). The sampled rows are one per sequence that reaches its last token
 (every row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
@@ -34,9 +35,8 @@ padded static buffers as they are. No model: it is tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -156,20 +156,60 @@ class Rows:
         self.targets += seq.token_ids[first:first + count]
 
 
-# (scheduled, block_size) -> the batch's metadata
-MetadataBuilder = Callable[[list[Any], int], AttentionMetadata]
+class AttentionLayout(Protocol):
+    """How a step's attention metadata is laid out (a declared hook, engine/hooks.py): the engine's own
+    (`PAGED`, below), or the learner's exercises 3.1 and 3.2 (nanoengine/pieces/ch03.py), chosen in
+    `assemble()`."""
+
+    verify_as_decodes: bool  # a decode verifying k drafts is 1 + k decode rows (else one prefill chunk)
+
+    def metadata(self, builder: InputBuilder, rows: Rows, decodes: list[Any], prefills: list[Any]
+                 ) -> AttentionMetadata:
+        """The step's metadata, its decode rows first (`rows`, laid out by `builder`, whose host buffers
+        are this step's)."""
+
+
+class PagedLayout:
+    """The engine's own attention metadata (chapter 03): the slot of every new token, the decode rows' block
+    tables padded into one [num_decode_rows, max_blocks] array with their context lengths, and each prefill
+    chunk's block table, written into the step's host buffers."""
+
+    verify_as_decodes = True
+
+    def metadata(self, builder: InputBuilder, rows: Rows, decodes: list[Any], prefills: list[Any]
+                 ) -> AttentionMetadata:
+        host, n, nd = builder.host, len(rows.ids), len(rows.row_seqs)
+        host.slots[:n] = rows.slots
+        # block tables of the decodes, and their context lengths (the new token included)
+        if decodes:
+            dtables = host.decode_tables_t[:nd, :builder.decode_block_tables(rows.row_seqs, rows.table_lens)]
+            host.context_lens[:nd] = [p + 1 for p in rows.positions[:nd]]  # each row's context, its token too
+            dctx = host.context_lens_t[:nd]
+        else:
+            dtables = dctx = None
+        ptables = []
+        for i, s in enumerate(prefills):
+            table = s.seq.block_table
+            host.prefill_tables[i, :len(table)] = table
+            ptables.append(host.prefill_tables_t[i, :len(table)])
+        return AttentionMetadata(
+            slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
+            decode_context_lens=dctx, prefill_query_starts=rows.starts, prefill_query_lens=rows.qlens,
+            prefill_context_lens=rows.ctxs, prefill_block_tables=ptables, block_size=builder.block_size)
+
+
+PAGED = PagedLayout()
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device | str = "cpu",
-                 attention_metadata: MetadataBuilder | None = None, max_tokens: int = 256, max_seqs: int = 16,
-                 max_blocks: int = 16) -> None:
-        """`attention_metadata`: a function that lays out a batch's AttentionMetadata (the learner's exercises
-        3.1 and 3.2, plugged in by nanoengine.engine.parts); None: the engine's own, below. The max_* size the
-        host buffers up front (the engine passes its limits), which grow if a step needs more."""
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", layout: AttentionLayout = PAGED,
+                 max_tokens: int = 256, max_seqs: int = 16, max_blocks: int = 16) -> None:
+        """`layout`: how the step's attention metadata is laid out (the engine's own, or the learner's,
+        plugged in by nanoengine.engine.parts). The max_* size the host buffers up front (the engine passes
+        its limits), which grow if a step needs more."""
         self.block_size = block_size
         self.device = torch.device(device)
-        self.attention_metadata = attention_metadata
+        self.layout = layout
         on_cuda = self.device.type == "cuda"
         self.sets = [HostBuffers(max_tokens, max_seqs, max_blocks, pin=on_cuda) for _ in range(2)]
         self.turn = 0  # the set the next step is built in
@@ -181,8 +221,8 @@ class InputBuilder:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order): its decode rows, then
         its prefill chunks, written into this step's host buffers."""
         # a decode verifying k drafts is 1 + k decode rows (positions p..p+k, each attending up to its own),
-        # so the step stays decode-only (graphs, the fused CPU step); the learner's metadata sees a chunk
-        rows_ok = self.attention_metadata is None
+        # so the step stays decode-only (graphs, the fused CPU step), where the layout lays them out so
+        rows_ok = self.layout.verify_as_decodes
         decodes = [s for s in scheduled if s.num_new_tokens == 1 or (rows_ok and verifies(s))]
         prefills = [s for s in scheduled if s.num_new_tokens > 1 and not (rows_ok and verifies(s))]
         rows = Rows()
@@ -262,14 +302,13 @@ class InputBuilder:
 
     def write(self, rows: Rows, decodes: list[Any], prefills: list[Any], num_seqs: int) -> BuiltStep:
         """The laid-out rows into this step's host buffers, with the batch's attention metadata (the
-        engine's, or the learner's), as a ModelInput on the device."""
-        block_size = self.block_size
+        layout's), as a ModelInput on the device."""
         widest = max(max(rows.table_lens, default=0),  # block-table columns this step needs
                      max((len(s.seq.block_table) for s in prefills), default=0))
         # (a speculating sequence samples 1 + k rows)
         host = self.host_buffers(len(rows.ids), max(num_seqs, len(rows.sample_rows), len(rows.row_seqs)),
                                  widest)
-        n, nd, sample_rows = len(rows.ids), len(rows.row_seqs), rows.sample_rows
+        n, sample_rows = len(rows.ids), rows.sample_rows
         host.ids[:n] = rows.ids
         host.positions[:n] = rows.positions
         host.sample_rows[:len(sample_rows)] = sample_rows
@@ -277,27 +316,7 @@ class InputBuilder:
         self.last_sample_seqs = rows.sample_seqs
         scored = torch.tensor(rows.scored_rows, dtype=torch.int64) if rows.scored_rows else no_rows()
         # (scored [P]: the scored prompt rows)
-        if self.attention_metadata is not None:  # the learner's (chapter 03), in place of what follows
-            meta = self.attention_metadata(decodes + prefills, block_size)
-            inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, scored)
-            return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
-        host.slots[:n] = rows.slots
-        # block tables of the decodes, and their context lengths (the new token included)
-        if decodes:
-            dtables = host.decode_tables_t[:nd, :self.decode_block_tables(rows.row_seqs, rows.table_lens)]
-            host.context_lens[:nd] = [p + 1 for p in rows.positions[:nd]]  # each row's context, its token too
-            dctx = host.context_lens_t[:nd]
-        else:
-            dtables = dctx = None
-        ptables = []
-        for i, s in enumerate(prefills):
-            table = s.seq.block_table
-            host.prefill_tables[i, :len(table)] = table
-            ptables.append(host.prefill_tables_t[i, :len(table)])
-        meta = AttentionMetadata(
-            slot_mapping=host.slots_t[:n], num_decode_seqs=nd, decode_block_tables=dtables,
-            decode_context_lens=dctx, prefill_query_starts=rows.starts, prefill_query_lens=rows.qlens,
-            prefill_context_lens=rows.ctxs, prefill_block_tables=ptables, block_size=block_size)
+        meta = self.layout.metadata(self, rows, decodes, prefills)
         inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, scored)
         return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)
 

@@ -77,7 +77,7 @@ class LLMEngine:
                                                max_num_seqs=plan.max_num_seqs,
                                                max_model_len=plan.max_model_len,
                                                policy=plan.scheduling_policy)
-        self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_metadata,
+        self.inputs = InputBuilder(plan.block_size, executor.device, parts.attention_layout,
                                    max_tokens=max(plan.max_num_batched_tokens, plan.max_model_len),
                                    max_seqs=plan.max_num_seqs, max_blocks=plan.max_blocks_per_seq)
         self.sampling = SamplingBatcher(plan.hf_config.vocab_size, executor.device)

@@ -4,7 +4,7 @@ plan's pieces say so (`use_exercises`, nanoengine.pieces). All chapters.
 `assemble(plan)` loads the learner's chapter files once (an untouched stub is an error naming its exercise,
 right here) and returns `EngineParts`, which the engine hands down: each rank's ModelRunner builds its model
 with `attention_backend`, `kernels` and `tp_group`, and its decode graphs with `graphs`; the driver builds its
-`block_manager_class`, `scheduler_class`, input builder (`attention_metadata`) and step `loop`, and samples
+`block_manager_class`, `scheduler_class`, input builder (its `attention_layout`) and step `loop`, and samples
 with `sampler`. A worker process calls `assemble` on the plan it is sent, so every rank runs the same pieces.
 The step loop is the engine's plain one (engine/step.py's `StepLoop`), or overlap scheduling's
 (engine/overlap.py's `OverlapLoop`, chapter 06) where the plan's `async_scheduling` says so.
@@ -36,7 +36,7 @@ from nanoengine import kernels
 from nanoengine.attention import AttentionBackend, get_backend
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.graphs import DecodeGraphs
-from nanoengine.engine.inputs import MetadataBuilder
+from nanoengine.engine.inputs import PAGED, AttentionLayout
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.step import StepLoop
 from nanoengine.kernels import triton_support
@@ -59,7 +59,7 @@ class EngineParts:
     graphs: GraphsFactory
     block_manager_class: type[BlockManager]
     scheduler_class: type[Scheduler]
-    attention_metadata: MetadataBuilder | None  # None: the input builder's own
+    attention_layout: AttentionLayout  # how the input builder lays out attention metadata
     sampler: Sampler
     # speculative decoding's "ngram" proposer and acceptance rule (drafts, verified -> kept tokens): the
     # learner's (chapter 09), or None for the engine's own (nanoengine/spec/, imported only when it drafts)
@@ -109,13 +109,13 @@ def assemble(plan: Any) -> EngineParts:
     tp_group: Callable[[TPGroup], TPGroup] = same_group
     graphs: GraphsFactory = DecodeGraphs
     block_manager_class, scheduler_class = BlockManager, Scheduler
-    attention_metadata = None
+    attention_layout: AttentionLayout = PAGED
     sampler = Sampler(plan.seed, compile=plan.torch_compile)
     if "ch02" in modules:
         model_kernels = ch02.Kernels(modules["ch02"], rope_theta(plan.hf_config))
     if "ch03" in modules:
         backend = ch03.with_paged_kv(backend, modules["ch03"])
-        attention_metadata = ch03.attention_metadata(modules["ch03"])
+        attention_layout = ch03.LearnerLayout(modules["ch03"])
     if "ch02" in modules:  # over ch03's backend when both are used
         backend = ch02.with_prompt_attention(backend, modules["ch02"])
     if "ch04" in modules:
@@ -141,5 +141,5 @@ def assemble(plan: Any) -> EngineParts:
 
         loop = OverlapLoop
     return EngineParts(backend, model_kernels, tp_group, graphs, block_manager_class, scheduler_class,
-                       attention_metadata, sampler, ngram_proposer_class, accept, moe, loop)
+                       attention_layout, sampler, ngram_proposer_class, accept, moe, loop)
 

@@ -17,6 +17,7 @@ through the same kernel. Where triton is not installed (macOS, Windows), decode 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,21 +30,24 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def attention_metadata(module: ModuleType):
-    """Your attention_metadata(scheduled, block_size) (with your batch_slot_mapping), checked against the
-    batch's shape; the input builder uses it in place of its own."""
-    build = piece(module, "attention_metadata", "ch03")  # (it calls your batch_slot_mapping)
+class LearnerLayout:
+    """Your attention_metadata(scheduled, block_size) (with your batch_slot_mapping) as the input builder's
+    layout, its result checked against the batch's shape. It sees a decode verifying drafts as one chunk."""
 
-    def checked(scheduled: list, block_size: int) -> AttentionMetadata:
-        meta = build(scheduled, block_size)
+    verify_as_decodes = False
+
+    def __init__(self, module: ModuleType) -> None:
+        self.build = piece(module, "attention_metadata", "ch03")  # (it calls your batch_slot_mapping)
+
+    def metadata(self, builder: Any, rows: Any, decodes: list, prefills: list) -> AttentionMetadata:
+        scheduled = decodes + prefills
+        meta = self.build(scheduled, builder.block_size)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        check_result(isinstance(meta, AttentionMetadata), build,
+        check_result(isinstance(meta, AttentionMetadata), self.build,
                      f"a {type(meta).__name__}; it must return an AttentionMetadata")
-        check_result(meta.slot_mapping.shape == (num_tokens,), build,
+        check_result(meta.slot_mapping.shape == (num_tokens,), self.build,
                      f"a slot_mapping of shape {tuple(meta.slot_mapping.shape)} for {num_tokens} new tokens")
         return meta
-
-    return checked
 
 
 def has_triton(module: ModuleType) -> bool:
