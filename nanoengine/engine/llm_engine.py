@@ -30,7 +30,7 @@ from nanoengine.engine.executor import Executor
 from nanoengine.engine.hooks import DraftSource, NoGrammars, StepObserver, draft_source
 from nanoengine.engine.inputs import InputBuilder
 from nanoengine.engine.interrupts import held_interrupts
-from nanoengine.engine.logits_masks import chain, min_tokens_mask
+from nanoengine.engine.logits_masks import MinTokens
 from nanoengine.engine.logprob_outputs import LogprobOutputs
 from nanoengine.engine.parts import EngineParts
 from nanoengine.engine.request import Request, check_token_ids, new_request
@@ -88,6 +88,7 @@ class LLMEngine:
         self.grammars: StructuredOutputs | NoGrammars = NoGrammars(tokenizer, plan.hf_config.vocab_size,
                                                                    self.eos_token_ids)
         self._grammars_made = threading.Lock()  # (the server compiles a request's grammar on another thread)
+        self.min_tokens = MinTokens(self.eos_token_ids, plan.hf_config.vocab_size)  # (over the grammars)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.step_count = 0  # steps finished
@@ -236,10 +237,8 @@ class LLMEngine:
         inp, sample_seqs, prompt_rows, targets = self.inputs.build(out.scheduled)
         sampling = self.sampling.batch(sample_seqs)  # (the sequence of each sampled row)
         wanted = self.logprobs.wanted(sampling, prompt_rows, targets)  # row reducer (NO_REDUCTION: none)
-        mask = self.grammars.mask(sample_seqs)  # structured outputs' grammars (None: no row has one)
-        if sampling is not None and sampling.any_min_tokens:  # stop ids held back until min_tokens
-            mask = chain(mask, min_tokens_mask(sample_seqs, self.eos_token_ids,
-                                               self.plan.hf_config.vocab_size, mask))
+        # logits masks: structured outputs' grammars (None: no row has one), then min_tokens' stop ids
+        mask = self.min_tokens.over(self.grammars.mask(sample_seqs), sample_seqs, sampling)
         built = time.perf_counter()
         forward = self.executor.launch(inp, sampling, wanted, mask)
         return LaunchedStep(out, forward, StepTimes(started, scheduled, built, time.perf_counter()),

@@ -58,6 +58,20 @@ def chain(*masks: LogitsMask | None) -> LogitsMask | None:
     return MaskChain(present)
 
 
+class MinTokens:
+    """The engine's `min_tokens` mask, chained over the grammars' mask (`over`) as a step is launched."""
+
+    def __init__(self, eos_token_ids: Iterable[int], vocab_size: int) -> None:
+        self.eos_token_ids, self.vocab_size = eos_token_ids, vocab_size
+
+    def over(self, mask: Any, seqs: list[Sequence], sampling: Any) -> LogitsMask | None:
+        """`mask` (the grammars', or None), then the stop ids held back until `min_tokens` where a row holds
+        any back (`sampling`: the step's SamplingBatch, which knows whether a row asked)."""
+        if sampling is None or not sampling.any_min_tokens:
+            return mask
+        return chain(mask, min_tokens_mask(seqs, self.eos_token_ids, self.vocab_size, mask))
+
+
 def min_tokens_mask(seqs: list[Sequence], eos_token_ids: Iterable[int], vocab_size: int,
                     grammar: Any = None) -> BannedTokens | None:
     """The stop ids each sampled row (`seqs`: the sequence of each row, a verifying sequence's 1 + k rows in a
