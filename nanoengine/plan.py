@@ -155,35 +155,10 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     (torchrun) put this process (nanoengine.distributed.launcher.Launched), or None."""
     import torch
 
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
-                                "'auto'")
+    device = pick_device(config.device)
     check_tensor_parallel(config.tensor_parallel_size, device, hf_config, launch)
     moe = check_moe(config, hf_config)
-    if pieces.moe_pieces and not moe:
-        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only in a "
-                                f"mixture-of-experts model's layers ({', '.join(pieces.moe_pieces)}), but "
-                                f"{getattr(hf_config, 'model_type', 'this model')!r} is dense; use an MoE "
-                                "model (e.g. 'tiny-qwen3-moe'), or leave them out")
-    if config.speculative_config is not None and pieces.schedule_pieces:
-        raise InvalidValueError(f"EngineConfig: speculative_config needs the engine's own scheduler, which "
-                                f"gives a decode its drafts, but {pieces.option} replaces its pass with "
-                                f"yours ({', '.join(pieces.schedule_pieces)}); leave those out, or "
-                                "speculative_config")
-    if config.speculative_config is None and pieces.spec_pieces:
-        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only while "
-                                f"speculating ({', '.join(pieces.spec_pieces)}), but speculative_config is "
-                                "not set; add "
-                                "speculative_config={'method': 'ngram', 'num_speculative_tokens': 3}, or "
-                                "leave them out")
-    if pieces.spec_pieces and config.speculative_config.method != "ngram":
-        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs in your n-gram proposer "
-                                f"(Exercise 9.1), but speculative_config's method is "
-                                f"{config.speculative_config.method!r}; "
-                                "use method 'ngram' with it, or leave 'ch09' out")
+    check_pieces_fit(config, hf_config, pieces, moe)
     # on CPU the backend does not depend on the dtype (only flash_attn's check on CUDA does), so it is picked
     # with the rule's dtype, and the dtype then chosen among the decode paths that backend can run
     backend = pick_attention_backend(config, device, rule_dtype(config.dtype, device, hf_config), pieces)
@@ -195,11 +170,7 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
     torch_compile = pick_torch_compile(config, device, backend, pieces)
     check_quantization(config.quantization, device)
     decode_mode = pick_decode_mode(config, device, backend, prepack, pieces, moe)
-    model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
-    max_model_len = config.max_model_len or model_max
-    if max_model_len > model_max:
-        raise InvalidValueError(f"EngineConfig: max_model_len={max_model_len} is longer than the model's "
-                                f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
+    max_model_len = pick_max_model_len(config.max_model_len, hf_config)
     tp = config.tensor_parallel_size
     kv_dtype = pick_kv_cache_dtype(config.kv_cache_dtype, dtype, backend, pieces)
     per_token = shapes.kv_bytes_per_token(hf_config, getattr(torch, kv_dtype).itemsize) // tp  # per rank
@@ -224,6 +195,55 @@ def resolve_plan(config: EngineConfig, hf_config: Any, model_path: Path,
                                                config.speculative_config),
         dist_backend="nccl" if device == "cuda" else "gloo", seed=config.seed,
         trace=config.trace, pieces=pieces)
+
+
+def pick_device(device: str) -> str:
+    """"cuda" or "cpu": what `device` names ("auto": CUDA where it is available)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidValueError("EngineConfig: device='cuda' but CUDA is not available; use device='cpu' or "
+                                "'auto'")
+    return device
+
+
+def check_pieces_fit(config: EngineConfig, hf_config: Any, pieces: PieceSelection, moe: bool) -> None:
+    """The learner's pieces run in this engine: MoE pieces need an MoE model, speculation's pieces need
+    speculation (an n-gram proposer, the "ngram" method), and speculation needs the engine's own scheduler."""
+    if pieces.moe_pieces and not moe:
+        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only in a "
+                                f"mixture-of-experts model's layers ({', '.join(pieces.moe_pieces)}), but "
+                                f"{getattr(hf_config, 'model_type', 'this model')!r} is dense; use an MoE "
+                                "model (e.g. 'tiny-qwen3-moe'), or leave them out")
+    if config.speculative_config is not None and pieces.schedule_pieces:
+        raise InvalidValueError(f"EngineConfig: speculative_config needs the engine's own scheduler, which "
+                                f"gives a decode its drafts, but {pieces.option} replaces its pass with "
+                                f"yours ({', '.join(pieces.schedule_pieces)}); leave those out, or "
+                                "speculative_config")
+    if config.speculative_config is None and pieces.spec_pieces:
+        raise InvalidValueError(f"EngineConfig: {pieces.option} includes pieces that run only while "
+                                f"speculating ({', '.join(pieces.spec_pieces)}), but speculative_config is "
+                                "not set; add "
+                                "speculative_config={'method': 'ngram', 'num_speculative_tokens': 3}, or "
+                                "leave them out")
+    if pieces.spec_pieces and config.speculative_config.method != "ngram":
+        raise InvalidValueError(f"EngineConfig: {pieces.option} plugs in your n-gram proposer "
+                                f"(Exercise 9.1), but speculative_config's method is "
+                                f"{config.speculative_config.method!r}; "
+                                "use method 'ngram' with it, or leave 'ch09' out")
+
+
+def pick_max_model_len(asked: int | None, hf_config: Any) -> int:
+    """The longest sequence (prompt + output): what was asked, at most the model's max_position_embeddings
+    (its default; 4096 where the config has none)."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
+    max_model_len = asked or model_max
+    if max_model_len > model_max:
+        raise InvalidValueError(f"EngineConfig: max_model_len={max_model_len} is longer than the model's "
+                                f"max_position_embeddings={model_max}; use max_model_len <= {model_max}")
+    return max_model_len
 
 
 def pick_async_scheduling(want: bool | None, device: str, trace: bool, speculative: Any = None) -> bool:
