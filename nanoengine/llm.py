@@ -45,13 +45,11 @@ class LLM:
         return self.tokenizer
 
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
-        """Run a ModelRunner method, or fn(runner, *args), on every rank (vLLM's name);
-        one result per rank."""
+        """A ModelRunner method, or fn(runner, *args), on every rank (Executor.collective_rpc)."""
         return self.engine.executor.collective_rpc(method, *args)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes now (they also stop when the LLM is garbage-collected
-        and at interpreter exit); a no-op with one process."""
+        """Stop the tensor-parallel worker processes now (distributed/workers.py); no-op with one process."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -2,8 +2,7 @@
 
 The batch is laid out decode sequences first (one query token each), then prefill sequences (one or more
 new tokens each, possibly after a cached prefix). Token i of the flat batch belongs to one sequence.
-`engine/inputs.py` builds it; the runner asks the backend to `prepare` for it once per step, before the
-forward.
+`engine/inputs.py` builds it; `prepared` holds the backend's preparation (attention/base.py).
 """
 
 from __future__ import annotations
@@ -15,14 +14,12 @@ import torch
 
 
 class AttentionPrep:
-    """What a backend derives from one step's metadata before the forward (index tensors, masks) and every
-    layer then reads: each backend's `prepare(meta, kv_cache_shape)` returns its own subclass."""
+    """What a backend's `prepare` derives from one step's metadata for every layer: its own subclass."""
 
 
 @dataclass
 class AttentionMetadata:
-    # [num_tokens] int64: cache slot (block * block_size + offset) per new token; -1 = skip
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens] int64: new token slots (block * block_size + offset), -1: skip
     num_decode_seqs: int  # the first num_decode_seqs sequences have exactly one query token
     decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor | None  # [num_decode_seqs] int64: tokens in cache incl. the new one
@@ -32,8 +29,8 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # cached prefix + new tokens
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_seq] int64
     block_size: int = 16
-    # set by the model runner once per step (backend.prepare); metadata built by hand (tests, the book) may
-    # leave it None, and each layer then prepares for itself
+    # set once per step by the model runner; metadata built by hand (tests, the book) may leave it None, and
+    # each layer then prepares for itself
     prepared: AttentionPrep | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> AttentionMetadata:

@@ -8,7 +8,7 @@ writing go through flat 2-D views of it, so each copy moves whole contiguous row
   which is what the grouped-query matmuls want. (On CPU, `index_select` along dim 0 of a 2-D tensor is a
   row memcpy; along dim 1 of the 4-D cache it is not, and is slower.)
 The row indices and the decode length mask depend only on the batch: `TorchAttention.prepare` computes them
-once per step (the runner calls it before the forward) and every layer reads them from `meta.prepared`.
+once per step and every layer reads them from `meta.prepared`.
 Decode: one gather for the whole batch, scores in fp32, length mask, softmax, matmul with V.
 Prefill: per sequence, attend over (cached prefix + new tokens) with a causal mask shifted by the prefix.
 The cache may hold a narrower dtype than the compute dtype (kv_cache_dtype="bfloat16" under float32): the
@@ -52,8 +52,7 @@ def store_index(slot_mapping: torch.Tensor,
 
 def decode_index(block_tables: torch.Tensor, context_lens: torch.Tensor,
                  kv_cache_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of the block view for every kv head and table entry, mask [1, B, 1, L]:
-    True = past the context)."""
+    """(rows of the block view for every kv head and table entry, mask [1, B, 1, L]: True = past context)."""
     num_kv_heads, num_blocks, block_size, _ = kv_cache_shape
     rows = per_head_rows(block_tables.flatten(), num_kv_heads, num_blocks)  # [kvh * B * max_blocks]
     positions = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)  # [L]
@@ -76,8 +75,7 @@ class TorchPrep(AttentionPrep):
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              tokens: torch.Tensor | None, rows: torch.Tensor) -> None:
-    # k, v [num_tokens, num_kv_heads, head_dim]
-    head_dim = k.shape[-1]
+    head_dim = k.shape[-1]  # k, v [num_tokens, num_kv_heads, head_dim]
     if tokens is not None:
         k, v = k[tokens], v[tokens]
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a bf16 cache under float32 compute: rounded here
@@ -88,8 +86,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V at its slot (block * block_size + offset);
-    slot -1 = already cached, skip."""
+    """Write each new token's K/V at its slot (block * block_size + offset; -1: already cached, skip)."""
     write_kv(k, v, k_cache, v_cache, *store_index(slot_mapping, k_cache.shape))
 
 
@@ -109,8 +106,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                  mask: torch.Tensor, scale: float) -> torch.Tensor:
-    # q [B, num_heads, head_dim]; one new token per sequence, already stored in the cache
-    B, num_heads, head_dim = q.shape
+    B, num_heads, head_dim = q.shape  # q: one new token per sequence, its K/V already stored
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     k = gather_blocks(k_cache, rows).view(num_kv_heads, B, -1, head_dim).to(q.dtype)  # [kvh, B, L, head_dim]
@@ -186,7 +182,7 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        if not self.k_cache.numel():  # no cache (profiling / tests): prompts only, attend over the new tokens
+        if not self.k_cache.numel():  # no cache bound (attention/base.py)
             return prompts_without_cache(q, k, v, meta, self.prompt_attention)
         out = torch.empty_like(q)
         p = meta.prepared if meta.prepared is not None else self.prepare(meta, self.k_cache.shape)
@@ -205,7 +201,6 @@ class TorchAttention(AttentionBackend):
                 out[s] = self.prefix_attention(q[s], table, ctx)
         return out
 
-    # the steps of `forward`
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, prep: TorchPrep) -> None:
         """Write the new tokens' K/V [num_tokens, num_kv_heads, head_dim] at their slots (-1: skip)."""
         write_kv(k, v, self.k_cache, self.v_cache, prep.store_tokens, prep.store_rows)
@@ -215,8 +210,7 @@ class TorchAttention(AttentionBackend):
         return paged_decode(q, self.k_cache, self.v_cache, prep.decode_rows, prep.decode_mask, self.scale)
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a prompt (chunk) with no cached prefix over its own tokens: q [T, num_heads,
-        head_dim], k, v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        """A prompt chunk with no cached prefix: `self_attention`."""
         return self_attention(q, k, v, self.scale)
 
     def prefix_attention(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

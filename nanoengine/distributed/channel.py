@@ -2,21 +2,16 @@
 back. Chapter 07.
 
 One interface, two ways:
-- `BroadcastChannel`: a `torch.distributed` broadcast of the pickled call over a gloo group of its own (one
-  broadcast of a fixed 64 KiB buffer that starts with the message's length, and a second one for the rest
-  of a longer message: a decode step's call fits the first), the replies by `gather_object`, a rank's
-  traceback through the group's store. It works wherever the ranks are,
-  on this machine or on several (the launcher's ranks use it). Its group never times out: an idle server's
-  ranks wait for the next step as long as it takes; a peer that dies closes its sockets, which fails the
-  wait at once.
+- `BroadcastChannel`: a `torch.distributed` broadcast of the pickled call over a gloo group of its own (a
+  fixed buffer of `FIRST` bytes, which a decode step's call fits, then the rest of a longer message), the
+  replies by `gather_object`, a rank's traceback through the group's store. It works wherever the ranks
+  are, on this machine or on several (the launcher's ranks use it). Its group never times out: an idle
+  server's ranks wait for the next step as long as it takes; a peer that dies closes its sockets, which
+  fails the wait at once.
 - `PipeChannel`: a socket pair to each worker that rank 0 started on this machine (one pickled message per
   worker, beside Linux's pidfd that names how a worker ended). Measured against the broadcast on this
   machine (`python -m nanoengine.bench.tp_launch`), a step cost the same within the noise.
-The messages are small dataclasses, pickled: `Start` first (rank 0's sys.path and plan), then one `Call` per
-step or RPC (a ModelRunner method's name, or a function, and its arguments, with every tensor copied to host
-memory by `to_device`: a step's inputs from the input builder's host buffers, never back from the device),
-and `Shutdown` last; a local worker answers over its pipe with a `Reply` or an
-`ErrorReply` (its traceback).
+The messages (`Start`, then a `Call` per step or RPC, then `Shutdown`) are small dataclasses, pickled.
 """
 
 from __future__ import annotations

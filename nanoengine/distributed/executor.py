@@ -1,12 +1,9 @@
-"""MultiprocExecutor: a tensor-parallel engine's ranks, rank 0 in this process and the others in worker
-processes, stepped in lockstep. Chapter 07.
+"""MultiprocExecutor: a tensor-parallel engine's ranks, rank 0's ModelRunner in this process and the others
+driven through a `Ranks` (ranks.py), stepped in lockstep. Chapter 07.
 
-Rank 0's ModelRunner lives here; the other ranks (workers.py) are local workers it starts, or, under a
-launcher (torchrun), the launcher's ranks on this machine or others; they build their own runners from rank
-0's plan meanwhile. Every call (a step, an RPC) is sent to the workers, then run here; the
-collectives inside the forward keep the ranks together, and rank 0 alone gets the gathered logits (so only
-its sampler draws: the ranks can never disagree on a token). A failure on any rank stops the workers and
-raises here, with the failed worker's traceback (`WorkerError`).
+Every call (a step, an RPC) is sent to the other ranks, then run here; the collectives inside the forward
+keep the ranks together, and rank 0 alone gets the gathered logits (so only its sampler draws: the ranks can
+never disagree on a token).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from nanoengine.plan import EnginePlan
 
 class MultiprocExecutor(Executor):
     def __init__(self, plan: EnginePlan, parts: EngineParts, launch: Launched | None = None) -> None:
-        # started (or joined); they build their runners while rank 0 builds its own
+        # started (or joined); they build their runners from rank 0's plan while rank 0 builds its own
         self.workers = LocalWorkers(plan) if launch is None else LauncherRanks(plan, launch)
         try:
             with self.workers.lockstep():

@@ -1,16 +1,10 @@
 """The other ranks of a tensor-parallel engine, seen from rank 0: one interface (`send`, `replies`,
 `lockstep`, `close`) over two kinds. Chapter 07.
 
-Rank 0 is the user's process: it schedules, builds the inputs and samples (`distributed/executor.py` drives
-the ranks through a `Ranks`).
-- `LocalWorkers` (workers.py): rank 0 starts ranks 1..N-1 on this machine as their own program and talks to
-  each over a socket pair (`channel.PipeChannel`);
-- `LauncherRanks` (launched_ranks.py): a launcher (torchrun) started every rank, on one machine or several;
-  the calls travel by broadcast over a gloo group (`channel.BroadcastChannel`).
-Every rank runs the same loop (`worker.serve_calls`): build its ModelRunner from rank 0's plan (its shard of
-the model and KV cache, the learner's pieces included), then run rank 0's calls in order; the all-reduces
-inside the forward keep them in lockstep.
-
+Rank 0 is the user's process: it schedules, builds the inputs and samples. The others run worker.py's loop.
+- `LocalWorkers` (workers.py): rank 0 starts ranks 1..N-1 on this machine (`channel.PipeChannel`);
+- `LauncherRanks` (launched_ranks.py): a launcher (torchrun) started every rank, on one machine or several
+  (`channel.BroadcastChannel`).
 Failure is loud and quick:
 - a rank that raises posts its traceback and exits; rank 0's next collective fails at once (the peer's
   sockets close), and rank 0 raises `WorkerError` with that traceback;
@@ -40,9 +34,9 @@ class Ranks(ABC):
     error: str | None = None  # why the group broke, once it has
 
     def send(self, method: str | Callable, args: tuple, reply: bool = False) -> None:
-        """Send one call to every other rank (tensors travel by value, through host memory). A step's
-        ModelInput goes as the input builder's host copy of it (`ModelInput.host_side`): copying its device
-        tensors back would wait for the step in flight, and the host could never run ahead (overlap)."""
+        """Send one call to every other rank (tensors travel by value, through host memory; a step's
+        ModelInput as its host copy, `ModelInput.host_side`, so the host can run ahead of the step in
+        flight)."""
         self.check()
         self.check_sendable(method)
         args = tuple(a.host_side() if isinstance(a, ModelInput) else a for a in args)
@@ -84,10 +78,8 @@ class Ranks(ABC):
     @contextmanager
     def lockstep(self) -> Iterator[None]:
         """Wrap code every rank runs together (every call of MultiprocExecutor). Any failure inside breaks the
-        group: a collective fails when a peer died or raised (then the peer's own error is what we raise), and
-        if rank 0 raised, the workers are left waiting in a collective, so they are stopped either way. Ctrl-C
-        waits for the block to end (`sigint_held`); one that waited too long abandons it, which stops the
-        workers too."""
+        group (see the module docstring): if rank 0 raised, the workers are left waiting in a collective, so
+        they are stopped either way. Ctrl-C waits for the block to end (`sigint_held`)."""
         try:
             with sigint_held(self.abandon):
                 try:

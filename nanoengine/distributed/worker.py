@@ -4,17 +4,15 @@ launcher's ranks 1..N-1 do inside `LLM(...)` (`serve_launched_rank`). Chapter 07
 
 `serve_calls` builds the rank's ModelRunner from rank 0's plan, then runs rank 0's calls in order until it
 is told to stop (or rank 0 goes away); it reads them from a `Channel` (channel.py), so it is the same loop for
-a local worker (a socket pair) and for a launcher's rank on another machine (a broadcast). A call that raises
-posts its traceback and ends the process at once, so that rank 0's collectives fail as its sockets close.
+a local worker and for a launcher's rank on another machine. A call that raises posts its traceback and ends
+the process at once.
 
 Local workers are started with this command, not with multiprocessing's spawn, so the user's script is never
 imported again in a worker: a script that builds a tensor-parallel `LLM` at top level, without
 `if __name__ == "__main__":`, works as vLLM users write it. FD is this process's end of a socket pair with
-rank 0; the first message on it carries rank 0's sys.path and plan: with that path, a function
-`collective_rpc` sends by name is importable here as it is there (its module, not the script: a function
-defined in the script itself is refused by rank 0). PARENT is rank 0's pid: a local worker ends when rank 0
-does (`exit_with`), and rank 0 starts it in a process group of its own, so a Ctrl-C at the terminal (or a
-notebook's interrupt, sent to the kernel's process group) reaches rank 0 alone, which stops it.
+rank 0, whose first message (`Start`) carries rank 0's sys.path, so that a function `collective_rpc` sends by
+name is importable here as it is there (its module's; one defined in the script is refused by rank 0).
+PARENT is rank 0's pid: a local worker ends when rank 0 does (`exit_with`). Ctrl-C is rank 0's (workers.py).
 """
 
 from __future__ import annotations

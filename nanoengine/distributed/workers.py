@@ -1,9 +1,9 @@
-"""Ranks 1..N-1 started by rank 0 on this machine, each as its own program (`python -m
-nanoengine.distributed.worker`, so the user's script is not imported again there), talked to over a socket
-pair and watched through Linux's pidfd. Chapter 07.
+"""Ranks 1..N-1 started by rank 0 on this machine, each as its own program (worker.py says why), talked to
+over a socket pair and watched through Linux's pidfd. Chapter 07.
 
-They run in a process group of their own, so the terminal's Ctrl-C reaches rank 0 alone, and each ends when
-rank 0 does. They stop on `close()`, when the engine is garbage-collected, and at interpreter exit.
+They run in a process group of their own, so the terminal's Ctrl-C (or a notebook's interrupt, sent to the
+kernel's process group) reaches rank 0 alone, which stops them. They stop on `close()`, when the engine is
+garbage-collected, and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class WorkerProcess:
         for var in launcher.VARIABLES:  # a launcher's variables are not this worker's
             env.pop(var, None)
         try:
-            # its own process group: the terminal's Ctrl-C (a notebook's interrupt) reaches rank 0 alone
             self.popen = subprocess.Popen([sys.executable, "-m", "nanoengine.distributed.worker", str(fd),
                                            str(rank), str(port), str(threads), str(os.getpid())],
                                           pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, process_group=0)

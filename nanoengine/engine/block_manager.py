@@ -57,7 +57,6 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # least-recently-freed first; allocation pops from the front
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # while a step is being scheduled: the blocks it hashes before their K/V exist (`forget_hashes` drops
         # them if the step never runs); None otherwise
@@ -99,11 +98,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache lookup
     def match_prefix(self, seq: Sequence) -> int:
-        """Reuse cached blocks for the leading full blocks of `seq`; return the number of hit tokens.
-
-        Called once when a waiting sequence with an empty block table is admitted. The caller sets
-        `num_cached_tokens` / `num_computed_tokens`; to roll the hit back, call `free(seq)`.
-        """
+        """Reuse cached blocks for the leading full blocks of `seq` (a waiting sequence with an empty block
+        table, being admitted); return the number of hit tokens. The caller sets `num_cached_tokens` /
+        `num_computed_tokens`; to roll the hit back, call `free(seq)`."""
         if not self.enable_prefix_caching:
             return 0
         if seq.block_table:
@@ -146,8 +143,7 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens;
-        return new block ids."""
+        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens; the new block ids."""
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_block_ids):
             raise RuntimeError(
@@ -167,14 +163,12 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Hash and register every block of `seq` that is full and computed and has no hash yet.
-
         `num_computed_tokens` (default: seq.num_computed_tokens) may count the tokens this step is about to
         compute: the scheduler registers blocks as soon as they are scheduled, so a request admitted later in
         the same step already hits them. That is safe because every attention layer stores the whole batch's
         K/V before any sequence attends, and because a step that fails takes them out again (`hashed_now`
-        records them while a step is scheduled; `forget_hashes`). A block holding a pending token (sampled by
-        a step still in flight) waits: its hash needs the token's id.
-        """
+        records them while a step is scheduled; `forget_hashes`). A block holding a pending token waits: its
+        hash needs the token's id."""
         if not self.enable_prefix_caching:
             return
         table = seq.block_table
@@ -182,8 +176,7 @@ class BlockManager:
             num_computed_tokens = seq.num_computed_tokens
         num_computed_tokens = min(num_computed_tokens, seq.num_known_tokens)
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        # hashed blocks form a prefix of the table: walk back to the first unhashed full block
-        start = num_full
+        start = num_full  # hashed blocks form a prefix of the table: walk back to the first unhashed full one
         while start > 0 and self.blocks[table[start - 1]].hash is None:
             start -= 1
         hashes = self.hashes_of(seq, num_full)
@@ -223,19 +216,16 @@ class BlockManager:
 
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> list[int]:
-        """Drop seq's references (tail first, so tail blocks are evicted first);
-        return blocks that became free.
-
-        Freed blocks keep their hash: they stay prefix-cache hits until they are reallocated.
-        """
+        """Drop seq's references and empty its table (`release`); return the blocks that became free."""
         freed = self.release(seq.block_table)
         seq.block_table.clear()
         seq.num_table_resets += 1
         return freed
 
     def release(self, block_table: list[int]) -> list[int]:
-        """Drop one reference to each block of a table, last block first; return the blocks that became free
-        (they go to the back of the free list, keeping their hash)."""
+        """Drop one reference to each block of a table, last block first (so tail blocks are evicted first);
+        return the blocks that became free (to the back of the free list, keeping their hash: they stay
+        prefix-cache hits until they are reallocated)."""
         freed = []
         for block_id in reversed(block_table):
             block = self.blocks[block_id]

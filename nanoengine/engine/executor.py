@@ -1,29 +1,21 @@
 """Executor: runs each step on every rank of the engine and returns what the driver needs. Chapters 05 and 07.
 
-vLLM's executor/worker split: the engine's step loop (`engine/llm_engine.py`) hands a step's `ModelInput` to
-its executor and gets back the logits of the sampled rows; how many ranks there are, and where they run, is
-the executor's business. The interface:
-- `execute(model_input)`: the step on every rank, in lockstep; rank 0's logits [num_sampled, vocab] fp32, or
-  None when no row is sampled;
-- `collective_rpc(method, *args)`: a ModelRunner method (or fn(runner, *args)) on every rank, one result per
-  rank, rank 0 first (vLLM's name);
-- `close()`: stop whatever it started; it cannot step afterwards.
-Here: `UniprocExecutor`, one rank in this process. The tensor-parallel executor, rank 0 here and the other
-ranks in worker processes, is `nanoengine.distributed.executor.MultiprocExecutor`.
+vLLM's executor/worker split: the engine's step loop hands a step's `ModelInput` to its executor (`execute`,
+`launch`, `collective_rpc`, `close`); how many ranks there are, and where they run, is the executor's
+business. Here: `UniprocExecutor`, one rank in this process; the tensor-parallel one, rank 0 here and the
+other ranks in worker processes, is `nanoengine.distributed.executor.MultiprocExecutor`.
 
-Overlap scheduling (chapter 06) lives here too: `launch(model_input, sampling)` runs a step and draws its
-tokens with rank 0's sampler (the engine's, or the learner's) under the step's `SamplingBatch`, without making
-the caller wait, and hands back a `ForwardOutput` to wait on later (mini-sglang's name: the tokens on the
-device, on the host once they are there, and the event or future that says so). The executor keeps the tokens
-of the step it launched last on the device: the next step's input ids for the sequences that step sampled are
-read from them (`ModelInput.prev_sampled`, nanoengine/engine/pending.py), so the host can build step N+1
-before step N's tokens reach it. Where the forward runs:
+Overlap scheduling (chapter 06) lives here too: `launch` runs a step and draws its tokens without making the
+caller wait, and hands back a `ForwardOutput` (mini-sglang's name) to wait on later. The executor keeps the
+tokens of the step it launched last on the device (`last_tokens`), which the next step's pending input ids
+refer to (engine/pending.py), so the host can build step N+1 before step N's tokens reach it. Where the
+forward runs:
 - on CUDA, in the caller's thread: kernels queue on the stream and the call returns; the tokens are copied to
   pinned memory behind an event, so waiting for them is waiting on that event, never a device sync;
 - on CPU with overlap scheduling, on the executor's one thread (`run_on_thread`, which engine/overlap.py's
-  loop calls: steps run in launch order, and every other call is queued behind them), while the caller's
-  thread goes on with Python: torch and the C++ decode step release the GIL while they compute;
-- otherwise in the caller's thread, so `launch` returns when the step is done.
+  loop calls: steps run in launch order, every other call queued behind them), while the caller's thread
+  goes on with Python (torch and the C++ decode step release the GIL while they compute);
+- otherwise in the caller's thread: `launch` returns when the step is done.
 """
 
 from __future__ import annotations
@@ -56,8 +48,8 @@ def call_on(runner: ModelRunner, method: str | Callable, args: tuple) -> Any:
 
 class ForwardOutput:
     """A launched step's sampled tokens [num_sampled] int64: on the device, then on the host (`tokens()`
-    waits for them), and when the forward and the draw ran where the host's clock sees them (`span`: CPU;
-    None on CUDA, where they run on the device after the launch returned)."""
+    waits for them: an event or a future says when), and when the forward and the draw ran where the host's
+    clock sees them (`span`: CPU; None on CUDA, where they run on the device after the launch returned)."""
 
     def __init__(self, model_input: ModelInput) -> None:
         # held here so that the step's inputs are freed on the host's thread: freed on the forward's thread
@@ -72,7 +64,6 @@ class ForwardOutput:
         # the step's logprobs, when a request asked (layers/logprobs.py): its sampled rows', its prompt rows'
         self.sampled_logprobs: lp.RowLogprobs | None = None
         self.prompt_logprobs: lp.RowLogprobs | None = None
-        # seeded rows' generators as they were before the draw, to put back if the step is undone
         self.generator_states: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def undo_draws(self) -> None:
@@ -125,7 +116,7 @@ class Executor(ABC):
 
     def run_on_thread(self) -> None:
         """From now on, run every step (and every other call) on one thread of the executor's own, so that
-        `launch` returns at once (overlap scheduling on CPU: engine/overlap.py; see the module docstring)."""
+        `launch` returns at once (see the module docstring)."""
         if self.thread is None:
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="nanoengine-forward")
 
@@ -140,17 +131,16 @@ class Executor(ABC):
         return self.runner.device
 
     def execute(self, model_input: ModelInput) -> torch.Tensor | None:
-        """Run one step on every rank; rank 0's logits of the sampled rows [num_sampled, vocab] fp32 (then of
-        its prompt-logprob rows, if any)."""
+        """Run one step on every rank, in lockstep; rank 0's logits of the sampled rows [num_sampled, vocab]
+        fp32 (then of its prompt-logprob rows, if any), or None when there are none."""
         return self.on_thread(self.run_step, model_input, self.last_tokens)
 
     def launch(self, model_input: ModelInput, sampling: SamplingBatch, reducer: RowReducer = NO_REDUCTION,
                mask: LogitsMask | None = None) -> ForwardOutput:
-        """Run one step and draw its tokens from rank 0's logits under `sampling` (one row per sampled row),
-        without waiting where the device or the thread allows; its `tokens()` waits for them. `reducer`: the
-        step's row reducer, run beside the draw (engine/hooks.py: the logprobs a request in the step asked
-        for). `mask`: the step's logits masks (structured outputs' grammars, min_tokens:
-        nanoengine/engine/logits_masks.py), None for none."""
+        """Run one step and draw its tokens with rank 0's sampler (the engine's, or the learner's) under
+        `sampling` (one row per sampled row), without waiting where the device or the thread allows; its
+        `tokens()` waits for them. `reducer`: the step's row reducer, run beside the draw (engine/hooks.py).
+        `mask`: the step's logits masks (engine/logits_masks.py), None for none."""
         out = ForwardOutput(model_input)
         if self.thread is not None:
             out.future = self.thread.submit(self.run_and_draw, model_input, sampling, out, reducer, mask)
@@ -169,8 +159,6 @@ class Executor(ABC):
         logits = self.run_step(model_input, self.last_tokens)  # [num_sampled (+ prompt rows), vocab]
         num_sampled, drawn_from, tokens = model_input.num_sampled, None, None
         if num_sampled:
-            # logits masks (grammars, min_tokens): the sampler draws from a masked copy (`logits` stay raw;
-            # processed logprobs are of the distribution drawn from, so masked too)
             rows = logits[:num_sampled]  # (the prompt-logprob rows come after the sampled ones)
             drawn_from = rows if mask is None else mask.apply(rows)  # [num_sampled, V]
             out.generator_states = [(g, g.get_state()) for _, g in sampling.seeded]
@@ -195,8 +183,8 @@ class Executor(ABC):
         """The step on every rank, with the last step's tokens for the input ids it reads from them."""
 
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
-        """Run a ModelRunner method (or fn(runner, *args)) on every rank;
-        every rank's result, rank 0 first."""
+        """Run a ModelRunner method (or fn(runner, *args)) on every rank (vLLM's name); every rank's result,
+        rank 0 first."""
         return self.on_thread(self.run_rpc, method, args)
 
     @abstractmethod

@@ -3,9 +3,8 @@
 A decode step at small batch is hundreds of tiny kernel launches, each costing more host time than GPU time.
 A CUDA graph records the launches of one forward once and replays them with one call. A graph replays the
 same kernels on the same memory, so:
-- one graph per batch-size bucket (`batch_buckets`: 1, 2, 4, 8, then steps of 16 up to max_num_seqs, capped
-  at 512, plus max_num_seqs itself), all sharing one memory pool; a batch of n replays the smallest bucket
-  >= n;
+- one graph per batch-size bucket (`batch_buckets`), all sharing one memory pool; a batch of n replays the
+  smallest bucket >= n;
 - every input lives in a static buffer sized for the largest bucket; a step copies its `ModelInput` in, and
   the rows from n up to the bucket are padding: token 0 at position 0, slot -1 (its K/V is stored nowhere)
   and context length 0 (its attention reads nothing); their outputs are never read;
@@ -14,13 +13,11 @@ same kernels on the same memory, so:
   reads an old block id;
 - anything else runs eagerly: a step with a prefill chunk, a batch larger than the largest bucket.
 The graph holds the whole forward the runner would run eagerly, the attention backend's `prepare` included,
-so whichever backend is active is captured. On CUDA its prepare and forward must not sync with the host or
-copy from it (the torch backend's store does, so the config runs it eagerly, with a warning).
-
-Capturing and replaying go through one small interface (`capture(fn)`, `replay()`), with two kinds:
-`CUDAGraph` records the kernels; `StandInGraph` (CPU) records `fn` itself and replays it by calling it on
-the same static buffers. Bucket choice, padding, static-buffer copies and stale-column clearing are the same
-code on both, which is how they are tested on CPU.
+so whichever backend is active is captured, if its `cuda_graphs` allows (attention/base.py; the torch
+backend's store syncs with the host, so the config runs it eagerly, with a warning). Capturing and replaying
+go through one small interface (`capture(fn)`, `replay()`): `CUDAGraph`, or its CPU stand-in `StandInGraph`.
+Bucket choice, padding, static-buffer copies and stale-column clearing are the same code on both, which is
+how they are tested on CPU.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ MAX_GRAPH_BATCH = 512  # no graph for larger decode batches: they run eagerly
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: 1, 2, 4, 8, 16, 32, ... (steps of 16) up to max_num_seqs
-    (capped at MAX_GRAPH_BATCH), which is always the last bucket, so every decode batch the scheduler can
-    form has one."""
+    """The batch sizes that get a graph: 1, 2, 4, 8, then steps of 16 up to max_num_seqs (capped at
+    MAX_GRAPH_BATCH), always the last bucket, so every decode batch the scheduler can form has one."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = {b for b in (1, 2, 4, 8) if b < top} | set(range(16, top, 16)) | {top}
     return sorted(sizes)
@@ -91,10 +87,7 @@ GRAPH_KINDS: dict[str, type[CUDAGraph] | type[StandInGraph]] = {"cuda": CUDAGrap
 
 class DecodeGraphs:
     """Static buffers, one graph per bucket, and the copies into the buffers before each replay.
-
-    `forward(inp)` is the runner's eager forward (prepare the attention, run the model) -> [num_tokens,
-    hidden].
-    """
+    `forward(inp)` is the runner's eager forward -> [num_tokens, hidden]."""
 
     def __init__(self, forward: Callable[[ModelInput], torch.Tensor], kind: str, max_num_seqs: int,
                  max_blocks: int, hidden_size: int, block_size: int, dtype: torch.dtype,
@@ -107,14 +100,11 @@ class DecodeGraphs:
         with torch.inference_mode():
             self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]
             self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]
-            # [max_bucket]; -1 = no store
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-            # [max_bucket]; 0 = read nothing
-            self.context_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bucket], -1: none
+            self.context_lens = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bucket]; 0 = no context
             # [max_bucket, max_blocks]
             self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=dev)
-            # [max_bucket, hidden] the output
-            self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+            self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)  # [max_bucket, hidden] output
         self.used_width = 0  # block-table columns that may hold a block id (all columns past it are 0)
         self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else None
         self.graphs: dict[int, CUDAGraph | StandInGraph] = {}
@@ -153,7 +143,7 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= batch and b in self.graphs), None)
 
     def can_replay(self, inp: ModelInput) -> bool:
-        """A decode-only step whose batch has a bucket and whose block tables fit the static buffer."""
+        """Can a captured graph replay this step (`replayable`)?"""
         return replayable(inp, self.bucket_for(inp.num_tokens), self.max_blocks)
 
     def load(self, inp: ModelInput) -> int:
@@ -167,7 +157,7 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.block_tables[:n, :width].copy_(meta.decode_block_tables)
-        # padding rows: token 0 at position 0, stored nowhere, attending over nothing, reading block 0 only
+        # padding rows (see the module docstring), reading block 0 only
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
         self.slot_mapping[n:bucket].fill_(-1)

@@ -2,25 +2,16 @@
 
 The core step is schedule -> launch -> finish (engine/llm_engine.py). An extension does not branch inside it;
 it is one object the engine holds at one of these seams, chosen when the engine is built:
-
 - **request checks** (logprobs' `max_logprobs`, engine/logprob_outputs.py; structured outputs' grammar
   compiled): `check(params)` as a request is made, raising InvalidValueError for an option it cannot serve;
-- **draft source** (speculative decoding, nanoengine/spec/; without it `NoDrafts`): `propose(scheduler)`
-  before `schedule`, `verify(out, tokens)` before `update`, `verified(scheduler, out, update)` after it,
-  `release(seq)` when a sequence ends;
+- **draft source** (speculative decoding, nanoengine/spec/; without it `NoDrafts`): `DraftSource`, below;
 - **logits masks** (structured outputs' grammars, `min_tokens`; chained by engine/logits_masks.py; without a
-  grammar `NoGrammars`, which makes the grammars when a request first asks: `for_request(params)`):
-  `mask(seqs)` as a step is launched, on a copy of the logits before the sampler;
-- **row reducer** (logprobs, nanoengine/layers/logprobs.py; without a request that asked `NO_REDUCTION`):
-  `reduce(logits, drawn_from, tokens, sampling, num_sampled)` after the draw, on the executor's side;
-- **step loop** (engine/step.py's `StepLoop`, or overlap scheduling's `OverlapLoop`, engine/overlap.py;
-  chosen in `assemble()`): `step()`, `drain()`, `busy()`, `forget()`;
-- **step observers** (a trace's recorder, trace.py; speculation's cost model): `added(seqs)` as a request is
-  added, `observe(step, update, stats)` after each step is finished.
-- **attention layout** (the input builder's: the engine's own `PagedLayout`, engine/inputs.py, or the
-  learner's chapter 03 metadata, nanoengine/pieces/ch03.py; chosen in `assemble()`): `metadata(builder, rows,
-  decodes, prefills)` as a step's inputs are written, and `verify_as_decodes`.
-
+  grammar `NoGrammars`): `mask(seqs)` as a step is launched, on a copy of the logits before the sampler;
+- **row reducer** (logprobs; without a request that asked `NO_REDUCTION`): `RowReducer`, below;
+- **step loop** (chosen in `assemble()`, engine/parts.py): `step()`, `drain()`, `busy()`, `forget()`;
+- **step observers** (a trace's recorder, trace.py; speculation's cost model): `StepObserver`, below;
+- **attention layout** (engine/inputs.py's `AttentionLayout`): `metadata(builder, rows, decodes, prefills)`
+  as a step's inputs are written, and `verify_as_decodes`.
 A sequence states what a step computes for it: its tokens not yet computed plus the drafts a draft source put
 in `spec_token_ids` (verified in the same pass), and how many rows it samples (1 + its drafts). The scheduler
 and the input builder read that, and never ask who drafted.
@@ -76,8 +67,8 @@ def draft_source(config: Any, plan: Any, parts: Any, tokenizer: Any, num_kv_bloc
 
 
 class NoDrafts:
-    """The draft source of an engine that does not speculate: no drafts, the tokens as they came. (It is a
-    step observer too, that observes nothing.)"""
+    """The draft source (and step observer) of an engine that does not speculate: no drafts, the tokens as
+    they came."""
 
     counts = None  # (what an engine reports as its speculation counts: see LLMEngine.spec_counts)
 
@@ -105,15 +96,14 @@ class NoDrafts:
 
 class NoGrammars:
     """The logits mask of an engine while no request has asked for structured outputs: no grammar, no mask.
-    `for_request(params)` (or `made()`, LLMEngine.structured) makes the engine's grammars,
-    nanoengine/structured.py, when a request first asks: the engine holds what it returns."""
+    The engine holds what `for_request` returns."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Any) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
 
     def for_request(self, params: Any) -> Any:
         """The grammars that serve a request with these SamplingParams: itself, or for one that asks for
-        structured outputs the engine's grammars, made now (`made`)."""
+        structured outputs the engine's grammars, made now (`made`; also LLMEngine.structured)."""
         return self if params.structured_outputs is None else self.made()
 
     def made(self) -> Any:
@@ -142,8 +132,8 @@ class NoGrammars:
 
 
 class RowReducer(Protocol):
-    """Reduces a step's logits beside the draw, on the logits' device (logprobs: layers/logprobs.py's
-    LogprobsWanted); what it returns goes with the step's tokens (ForwardOutput.set)."""
+    """Reduces a step's logits after the draw, on the executor's side and the logits' device (logprobs:
+    layers/logprobs.py's LogprobsWanted); what it returns goes with the step's tokens (ForwardOutput.set)."""
 
     def reduce(self, logits: Any, drawn_from: Any, tokens: Any, sampling: Any, num_sampled: int) -> tuple:
         ...
@@ -160,7 +150,7 @@ NO_REDUCTION = NoReduction()
 
 
 class StepObserver(Protocol):
-    """Told about every request added and every finished step (a trace, a cost model); it reads, and changes
+    """Told about every request added (`added`) and every finished step (`observe`); it reads, and changes
     nothing the step did."""
 
     def added(self, seqs: list[Sequence]) -> None:

@@ -15,10 +15,8 @@ import torch
 
 
 class HostBuffers:
-    """The host memory a step's inputs are written into, allocated once (pinned for a CUDA device) and grown
-    only when a step needs more: numpy views to fill, torch views to hand out (the same memory). It keeps the
-    decode block tables it last held (see `InputBuilder.decode_block_tables`) and, on CUDA, the event of the
-    last copies out of it."""
+    """One set of the buffers (see the module docstring). It keeps the decode block tables it last held
+    (`InputBuilder.decode_block_tables`) and, on CUDA, the event of the last copies out of it (`copied`)."""
 
     def __init__(self, tokens: int, seqs: int, blocks: int, pin: bool) -> None:
         self.tokens, self.seqs, self.blocks, self.pin = tokens, seqs, blocks, pin

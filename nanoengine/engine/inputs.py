@@ -1,36 +1,23 @@
 """InputBuilder: flattening a scheduled batch into the model's inputs. Chapters 03 and 05.
 
 The model takes one flat batch of new tokens from many sequences. `InputBuilder.build(scheduled)` lays it
-out in two passes, named as in nano-vllm, and writes it:
-- decodes (`lay_out_decodes`): sequences with one new token, first (their rows are 0..num_decodes-1); a
-  sequence verifying k drafts (speculative decoding, chapter 09) is 1 + k decode rows, its last token and its
-  drafts at positions p..p+k, each attending up to its own position (every row's K/V is stored before any row
-  attends), so the step stays decode-only: the fused CPU step and CUDA graphs run it;
-- prefill chunks (`lay_out_prefills`): then every prompt chunk, with its query start, length and context;
-- `write`: the rows into host buffers, and the attention metadata, laid out by the builder's `layout` (the
-  engine's own, `PagedLayout`: the decode rows' block tables padded into one [num_decode_rows, max_blocks]
-  array; or the learner's, chapter 03).
-Every new token gets its cache slot by one rule (`slot`: block * block_size + offset, or -1 when a
-prefix-cache block already holds its K/V). The sampled rows are one per sequence that reaches its last token
-(every row of a verifying sequence: 1 + k), in the order the sequences were scheduled (the scheduler's
-`SchedulerOutput.sampled`: its update reads the tokens in that order); a sequence that has its prompt rows
-scored (`Sequence.scored_until`: prompt logprobs) also gets those rows (each scores the next prompt token),
-whose logits come after them.
-`build` returns a `BuiltStep`: the `ModelInput` (tensors and plain numbers: what every rank needs), and what
-stays with the driver: the sequence of each sampled row (for the sampler and the scheduler), the
-scored prompt rows and the prompt tokens they predict.
+out in two passes, named as in nano-vllm (each new token's cache slot by one rule, `slot`), and writes it
+(`write`, with its `layout`'s attention metadata):
+- decodes (`lay_out_decodes`), first: their rows are 0..num_decodes-1. A sequence verifying k drafts
+  (speculative decoding, chapter 09) is 1 + k decode rows, its last token and its drafts at positions p..p+k,
+  each attending up to its own position (every row's K/V is stored before any row attends), so the step
+  stays decode-only: the fused CPU step and CUDA graphs run it;
+- prefill chunks (`lay_out_prefills`): then every prompt chunk, with its query start, length and context.
+The sampled rows are one per sequence that reaches its last token (1 + k for a verifying one), in the order
+the sequences were scheduled (`SchedulerOutput.sampled`: its update reads the tokens in that order); a
+sequence whose prompt rows are scored (`Sequence.scored_until`: prompt logprobs) also gets those rows, each
+scoring the next prompt token, their logits after the sampled rows'. A decode whose input is still pending
+gets a reference to the step before's row instead of an id (engine/pending.py).
 
-Each ScheduledSeq says where its step starts (`start`: the scheduler has already counted the step's tokens as
-computed when it is built). A decode whose input is still pending (sampled by the step in flight, overlap
-scheduling) gets a reference to that step's row as its input id, -(row + 1), and the ModelInput says how many
-tokens that step samples (`prev_sampled`): the model runner reads those ids from the executor's last tokens,
-on the device (nanoengine/engine/pending.py).
-
-Plain Python and numpy over Sequences, written into host buffers allocated once and reused
-(engine/host_buffers.py: two sets used in turn, pinned on CUDA so the copies to the device are asynchronous,
-issued on a side stream the step's stream waits for). A decode-only `ModelInput` is all fixed-width tensors
-(ids, positions, slots, context lengths [B]; block tables [B, W]), which a CUDA-graph runner copies into its
-padded static buffers as they are. No model: it is tested on its own.
+Plain Python and numpy over Sequences, written into reusable host buffers (engine/host_buffers.py) and copied
+to the device on a side stream (`to_device`). A decode-only `ModelInput` is all fixed-width tensors (ids,
+positions, slots, context lengths [B]; block tables [B, W]), which a CUDA-graph runner copies into its padded
+static buffers as they are. No model: it is tested on its own.
 """
 
 from __future__ import annotations
@@ -56,12 +43,9 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64, decodes first, then prefill chunks
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    sample_rows: torch.Tensor = field(default_factory=no_rows)  # [num_sampled] int64: rows whose logits are
-    # sampled (each a sequence's last token), in the order the sequences were scheduled
-    prev_sampled: int = 0  # > 0: some input ids are -(row + 1), row `row` of the tokens of the step before
-    # (which sampled this many)
-    scored_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: prompt rows whose logits a
-    # sequence has scored (Sequence.scored_until: prompt logprobs); their logits follow the sampled rows'
+    sample_rows: torch.Tensor = field(default_factory=no_rows)  # [num_sampled] int64, in scheduled order
+    prev_sampled: int = 0  # > 0: tokens the step before sampled, which some input ids refer to (pending.py)
+    scored_rows: torch.Tensor = field(default_factory=no_rows)  # [P] int64: scored prompt rows
     # the same step in host memory, when these tensors are device copies of it (`to`): what tensor parallelism
     # sends the other ranks, so that rank 0 never copies device tensors back (that would wait for the step in
     # flight). Not an init field: a `dataclasses.replace`d input (other tensors) has none, and is sent as is
@@ -117,8 +101,9 @@ class PromptRows(NamedTuple):
 
 
 class BuiltStep(NamedTuple):
+    """What `build` returns: the ModelInput every rank needs, and what stays with the driver."""
     inputs: ModelInput
-    sample_seqs: list[Sequence]  # the sequence of each sampled row
+    sample_seqs: list[Sequence]  # the sequence of each sampled row (for the sampler and the scheduler)
     prompt_rows: list[PromptRows] = []  # the scored prompt rows (ModelInput.scored_rows), by sequence
     prompt_targets: list[int] = []  # and the prompt token each of those rows predicts
 
@@ -157,9 +142,8 @@ class Rows:
 
 
 class AttentionLayout(Protocol):
-    """How a step's attention metadata is laid out (a declared hook, engine/hooks.py): the engine's own
-    (`PAGED`, below), or the learner's exercises 3.1 and 3.2 (nanoengine/pieces/ch03.py), chosen in
-    `assemble()`."""
+    """How a step's attention metadata is laid out (a declared hook): the engine's own (`PAGED`, below), or
+    the learner's exercises 3.1 and 3.2 (nanoengine/pieces/ch03.py), chosen in `assemble()`."""
 
     verify_as_decodes: bool  # a decode verifying k drafts is 1 + k decode rows (else one prefill chunk)
 
@@ -180,7 +164,6 @@ class PagedLayout:
                  ) -> AttentionMetadata:
         host, n, nd = builder.host, len(rows.ids), len(rows.row_seqs)
         host.slots[:n] = rows.slots
-        # block tables of the decodes, and their context lengths (the new token included)
         if decodes:
             dtables = host.decode_tables_t[:nd, :builder.decode_block_tables(rows.row_seqs, rows.table_lens)]
             host.context_lens[:nd] = [p + 1 for p in rows.positions[:nd]]  # each row's context, its token too
@@ -204,9 +187,8 @@ PAGED = PagedLayout()
 class InputBuilder:
     def __init__(self, block_size: int, device: torch.device | str = "cpu", layout: AttentionLayout = PAGED,
                  max_tokens: int = 256, max_seqs: int = 16, max_blocks: int = 16) -> None:
-        """`layout`: how the step's attention metadata is laid out (the engine's own, or the learner's,
-        plugged in by nanoengine.engine.parts). The max_* size the host buffers up front (the engine passes
-        its limits), which grow if a step needs more."""
+        """`layout`: how the attention metadata is laid out (AttentionLayout). The max_* size the host buffers
+        up front (the engine passes its limits), which grow if a step needs more."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.layout = layout
@@ -220,15 +202,13 @@ class InputBuilder:
     def build(self, scheduled: list[Any]) -> BuiltStep:
         """The flat inputs of a batch of ScheduledSeq (seq, num_new_tokens; any order): its decode rows, then
         its prefill chunks, written into this step's host buffers."""
-        # a decode verifying k drafts is 1 + k decode rows (positions p..p+k, each attending up to its own),
-        # so the step stays decode-only (graphs, the fused CPU step), where the layout lays them out so
         rows_ok = self.layout.verify_as_decodes
         decodes = [s for s in scheduled if s.num_new_tokens == 1 or (rows_ok and verifies(s))]
         prefills = [s for s in scheduled if s.num_new_tokens > 1 and not (rows_ok and verifies(s))]
         rows = Rows()
         self.lay_out_decodes(decodes, rows)
         self.lay_out_prefills(prefills, rows)
-        if decodes and prefills:  # sampled rows in scheduled order (the scheduler's `sampled`, its update's)
+        if decodes and prefills:  # sampled rows in scheduled order
             where = {s.seq.seq_id: i for i, s in enumerate(scheduled)}
             order = sorted(range(len(rows.sample_seqs)), key=lambda r: where[rows.sample_seqs[r].seq_id])
             rows.sample_rows = [rows.sample_rows[r] for r in order]
@@ -236,9 +216,8 @@ class InputBuilder:
         return self.write(rows, decodes, prefills, len(scheduled))
 
     def lay_out_decodes(self, decodes: list[Any], rows: Rows) -> None:
-        """Decode rows: one per sequence with one new token, 1 + k for one verifying k drafts (its last token
-        and its drafts, every row sampled). This loop runs for every sequence of every step, so it is written
-        out flat."""
+        """Decode rows: one per sequence with one new token, 1 + k (all sampled) for one verifying k drafts.
+        This loop runs for every sequence of every step, so it is written out flat."""
         block_size, prev_rows = self.block_size, None  # (seq_id -> its row in the step before's tokens)
         ids, positions, slots, table_lens, row_seqs = (rows.ids, rows.positions, rows.slots, rows.table_lens,
                                                        rows.row_seqs)
@@ -314,8 +293,7 @@ class InputBuilder:
         host.sample_rows[:len(sample_rows)] = sample_rows
         sampled = host.sample_rows_t[:len(sample_rows)]
         self.last_sample_seqs = rows.sample_seqs
-        scored = torch.tensor(rows.scored_rows, dtype=torch.int64) if rows.scored_rows else no_rows()
-        # (scored [P]: the scored prompt rows)
+        scored = torch.tensor(rows.scored_rows, dtype=torch.int64) if rows.scored_rows else no_rows()  # [P]
         meta = self.layout.metadata(self, rows, decodes, prefills)
         inp = ModelInput(host.ids_t[:n], host.positions_t[:n], meta, sampled, rows.prev_sampled, scored)
         return BuiltStep(self.to_device(inp), rows.sample_seqs, rows.prompt_rows, rows.targets)

@@ -3,16 +3,11 @@ of its sampled rows. Chapter 03.
 
 Building: the model class from config.json's `architectures`, with the parts the engine was assembled from
 (`engine/parts.py`: attention backend, kernels, the rank's tensor-parallel group), then the weights, then the
-KV cache, then the decode path the plan's decode mode names (chapter 06), chosen once (`decode_path_of`): CUDA
-graphs or their CPU stand-in (`engine/graphs.py`), or every decoder layer in one C++ call
-(`models/fused_decode.py`), or none. The KV pool holds the plan's block count, or on CUDA what is left of
-`gpu_memory_utilization` after a warm-up forward at the largest batch (weights + peak activations) and what
-the decode path takes beside it (CUDA graphs' pool: measured by capturing the largest bucket once); under
-tensor parallelism the smallest rank's pool wins.
-One step (`execute`): its inputs go to this rank's device (asynchronously from pinned memory on CUDA); a
-decode-only step that the decode path takes runs there, any other step prepares the attention once and runs
-the model eagerly; logits are computed only for the sampled rows.
-
+KV cache (the plan's block count, or on CUDA what `gpu_memory_utilization` leaves: `cuda_kv_budget`), then the
+decode path the plan's decode mode names (chapter 06), chosen once (`decode_path_of`): CUDA graphs or their
+CPU stand-in (`engine/graphs.py`), or every decoder layer in one C++ call (`models/fused_decode.py`), or none.
+One step (`execute`): its inputs go to this rank's device; a decode-only step that the decode path takes runs
+there, any other step runs eagerly; logits are computed only for the sampled rows.
 A runner knows nothing of processes: under tensor parallelism (chapter 07) an executor runs one per rank,
 each built with its `TPGroup` (its shard of the model, its own KV heads), and steps them together.
 """
@@ -78,7 +73,6 @@ class ModelRunner:
         self.plan = plan
         self.parts = parts
         hf = plan.hf_config
-        # a rank's group as the layers see it; an MoE model's ranks hold whole experts with expert parallelism
         self.tp = dataclasses.replace(parts.tp_group(tp), expert_parallel=plan.enable_expert_parallel)
         self.device = (torch.device(plan.device, tp.rank if local_rank is None else local_rank)
                        if plan.device == "cuda"
@@ -104,8 +98,6 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs (or the learner's), with decode mode CUDA_GRAPHS or STAND_IN
         self.fused: FusedDecode | None = None  # with decode mode FUSED_CPU
         self.graph_memory_bytes = 0  # the graph pool, measured before sizing the KV cache (CUDA)
-        # the decode path the plan's decode mode names: what it takes beside the KV cache (measured while the
-        # pool is sized, on CUDA), and how it is made once the cache is bound
         self.decode_memory, make_decode_path = self.decode_path_of(plan.decode_mode)
         self.num_blocks = self.allocate_kv_cache()
         self.decode_path: DecodePath = make_decode_path()
@@ -159,7 +151,7 @@ class ModelRunner:
     def cuda_kv_budget(self, utilization: float) -> float:
         """Bytes the KV cache may take on CUDA: `utilization` of the GPU, less what is not torch's (CUDA
         context, NCCL, other processes), the weights and peak activations of a warm-up forward at the largest
-        batch, and the graphs' pool."""
+        batch, and what the decode path takes beside the cache (the graphs' pool)."""
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -217,21 +209,20 @@ class ModelRunner:
     def execute(self, inp: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """The forward of one step, then the logits of its sampled rows [num_sampled, vocab] fp32, followed by
         its prompt-logprob rows' (gathered on rank 0; None on the other ranks, and when there are no rows).
-        `prev_tokens`: the tokens the step
-        before sampled (rank 0; overlap scheduling), where some of this step's input ids are theirs."""
+        `prev_tokens`: the tokens the step before sampled (rank 0), which pending input ids refer to."""
         inp = inp.to(self.device, non_blocking=True)
         if inp.prev_sampled:
             inp = self.with_sampled_ids(inp, prev_tokens)
         hidden = self.forward(inp)  # [num_tokens, hidden]
-        rows = inp.logits_rows  # [num_sampled (+ prompt rows)]: the rows whose logits the step wants
+        rows = inp.logits_rows  # [num_sampled (+ prompt rows)]
         if not rows.shape[0]:
             return None
         return self.model.compute_logits(hidden[rows])  # [num_sampled (+ prompt rows), vocab]
 
     def with_sampled_ids(self, inp: ModelInput, prev_tokens: torch.Tensor | None) -> ModelInput:
-        """The step with its pending input ids (-(row + 1): row `row` of the step before's tokens) read from
-        those tokens, on the device (nanoengine/engine/pending.py). Under tensor parallelism rank 0 alone has
-        them: an all-reduce of them and the other ranks' zeros hands them to every rank."""
+        """The step with its pending input ids read from the step before's tokens (engine/pending.py). Under
+        tensor parallelism rank 0 alone has them: an all-reduce of them and the other ranks' zeros hands them
+        to every rank."""
         if self.tp.rank != 0:
             prev_tokens = torch.zeros(inp.prev_sampled, dtype=torch.int64, device=self.device)
         elif prev_tokens is None or prev_tokens.shape[0] != inp.prev_sampled:

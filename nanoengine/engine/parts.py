@@ -3,11 +3,10 @@ plan's pieces say so (`use_exercises`, nanoengine.pieces). All chapters.
 
 `assemble(plan)` loads the learner's chapter files once (an untouched stub is an error naming its exercise,
 right here) and returns `EngineParts`, which the engine hands down: each rank's ModelRunner builds its model
-with `attention_backend`, `kernels` and `tp_group`, and its decode graphs with `graphs`; the driver builds its
-`block_manager_class`, `scheduler_class`, input builder (its `attention_layout`) and step `loop`, and samples
-with `sampler`. A worker process calls `assemble` on the plan it is sent, so every rank runs the same pieces.
-The step loop is the engine's plain one (engine/step.py's `StepLoop`), or overlap scheduling's
-(engine/overlap.py's `OverlapLoop`, chapter 06) where the plan's `async_scheduling` says so.
+and decode graphs with them, the driver its block manager, scheduler, input builder, sampler and step loop
+(engine/step.py's `StepLoop`, or overlap scheduling's `OverlapLoop`, engine/overlap.py, where the plan's
+`async_scheduling` says so). A worker process calls `assemble` on the plan it is sent, so every rank runs the
+same pieces.
 
 | pieces | replace |
 |---|---|
@@ -19,10 +18,6 @@ The step loop is the engine's plain one (engine/step.py's `StepLoop`), or overla
 | ch07 | the tensor-parallel group's sharding, and its column-, row- and vocab-parallel forwards |
 | ch09 | speculation's n-gram proposer, its acceptance rule, the block manager's `rollback_blocks` |
 | ch10 | an MoE model's router and expert forward (`moe`, handed to the model when it is built) |
-
-An MoE model's expert forward (`moe`) is the Triton fused-MoE kernel where the Triton kernels serve the
-attention or the device is CUDA with triton installed (`fused_moe_on_triton`), else the torch grouped GEMM;
-ch10's pieces replace either.
 """
 
 from __future__ import annotations
@@ -66,8 +61,7 @@ class EngineParts:
     ngram_proposer_class: type | None = None
     accept: Callable[[list[int], list[int]], list[int]] | None = None
     moe: MoEPieces = ENGINE_MOE  # an MoE model's router and expert forward (layers/moe.py)
-    # the engine's step loop, made over the engine (loop(engine)): one step at a time, or overlap scheduling's
-    loop: type[Any] = StepLoop
+    loop: type[Any] = StepLoop  # the engine's step loop, made over the engine: loop(engine)
 
 
 def same_group(group: TPGroup) -> TPGroup:
@@ -84,8 +78,9 @@ def fused_moe_on_triton(plan: Any) -> bool:
 
 
 def moe_pieces(plan: Any) -> MoEPieces:
-    """The router and expert forward of an MoE model under this plan (imports triton only when it is used:
-    on CPU the interpreter must be switched on before the kernels are defined)."""
+    """The router and expert forward of an MoE model under this plan: the Triton fused-MoE kernel where
+    `fused_moe_on_triton`, else the torch grouped GEMM (ENGINE_MOE). Imports triton only when it is used: on
+    CPU the interpreter must be switched on before the kernels are defined."""
     if fused_moe_on_triton(plan):
         from nanoengine.kernels.triton_moe import triton_fused_experts
 

@@ -2,16 +2,17 @@
 
 When the scheduler commits a step (`Scheduler.schedule`), each sequence that reaches its end in it will get a
 token from that step's draw: from then on the token is *pending*. It counts in the sequence's length
-(`Sequence.num_tokens`) but has no id on the host (`Sequence.token_ids` holds known tokens only), until the
-step's update puts it in place (`Scheduler.update`). Without overlap that is the same engine step; with
-overlap scheduling (`async_scheduling`) the next step is scheduled and launched first, so that the host's work
-for it hides behind the device's work for this one. The rules, in the order a token lives them:
-
+(`Sequence.num_tokens`, what scheduling reads) but has no id on the host (`Sequence.token_ids` holds known
+tokens only) until the step's update puts it in place (`Scheduler.update`). Without overlap that is the same
+engine step; with overlap scheduling (`async_scheduling`) the next step is scheduled and launched first, so
+that the host's work for it hides behind the device's work for this one. The rules, in the order a token
+lives them:
 1. `hold_place`: committing a step gives each sequence it ends a pending token.
 2. `ends_at_length`: a sequence whose pending tokens bring it to its length limit is not scheduled again,
    whatever they turn out to be (it will finish).
-3. `input_id`: the next step's input at a pending position is not an id but a reference, -(row + 1): row `row`
-   of the tokens the step before sampled (the input builder writes it) ...
+3. `input_id`: the next step's input at a pending position is not an id but a reference, -(row + 1), to row
+   `row` of the tokens the step before sampled (the input builder writes it; `ModelInput.prev_sampled` says
+   how many that step sampled) ...
 4. `read_pending_ids`: ... which the model runner reads from those tokens on the device (no host sync).
 5. `forget`: after a step failed, the steps committed and never finished are undone: their pending tokens
    are dropped and their sequences compute again from where those steps started (`Scheduler.forget` also
@@ -40,16 +41,15 @@ def hold_place(seq: Sequence) -> None:
 
 
 def ends_at_length(seq: Sequence, max_len: int) -> bool:
-    """Whatever its pending tokens turn out to be, they bring seq to its length limit (max_tokens, or
-    `max_len`, the longest a sequence may grow): with overlap, such a sequence is not scheduled again."""
+    """Whatever they turn out to be, seq's pending tokens bring it to its length limit (max_tokens, or
+    `max_len`, the longest a sequence may grow)."""
     max_tokens = seq.sampling_params.max_tokens
     return ((max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens)
             or seq.num_tokens >= max_len)
 
 
 def input_id(row: int) -> int:
-    """The input id the builder writes at a pending position: a reference to row `row` of the tokens that the
-    step before sampled."""
+    """The input id the builder writes at a pending position: row `row` of the step before's tokens."""
     return -1 - row
 
 
@@ -61,8 +61,7 @@ def read_pending_ids(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torc
 
 
 def forget(steps: Iterable[SchedulerOutput]) -> None:
-    """After a failed (or interrupted) step: as if the committed steps that never finished had not run. Their
-    sequences drop the tokens they waited for and compute again from where each step started."""
+    """After a failed (or interrupted) step: as if the committed steps that never finished had not run."""
     for out in steps:
         for s in out.scheduled:
             seq = s.seq

@@ -1,11 +1,10 @@
 """SamplingBatcher: each sampled row's request parameters, laid out for the sampler. Chapter 05.
 
-The executor draws a step's tokens from the logits of the rows that reach a sequence's last token, with the
-sampler (`layers/sampler.py`, or the learner's) under the step's `SamplingBatch`: per-row temperatures and
-filters, as tensors only when some row filters. `batch(seqs)` lays it out on the driver before the step is
-launched (decode steps mostly sample the same sequences as the step before: that batch is reused).
-A request with a seed gets its own generator, seeded with seed + its completion index, kept until `release`
-(when it finishes or is aborted), so its samples do not depend on which other requests share the batch.
+The executor draws a step's tokens with the sampler (`layers/sampler.py`, or the learner's) under the step's
+`SamplingBatch`: per-row temperatures and filters, as tensors only when some row filters. `batch(seqs)` lays
+it out on the driver before the step is launched. A request with a seed gets its own generator, seeded with
+seed + its completion index, kept until `release` (when it finishes or is aborted), so its samples do not
+depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ class SamplingBatcher:
     def batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The SamplingBatch of a step's sampled rows (one per entry of `seqs`), on the logits' device."""
         if seqs != self.last_seqs:  # decode steps mostly sample the same sequences as the step before
-            self.last_seqs, self.last_batch = seqs, self.layout(seqs)  # (compared by identity: Sequence has
-        return self.last_batch  # no __eq__)
+            self.last_seqs, self.last_batch = seqs, self.layout(seqs)  # (by identity: no Sequence.__eq__)
+        return self.last_batch
 
     def layout(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]

@@ -9,28 +9,15 @@ and it is recomputed later). Pure Python over plain data: no torch.
 A waiting sequence whose blocks do not fit ends admission for the step under the "fcfs" policy, as in vLLM
 v1 (`vllm/v1/core/sched/scheduler.py`: `if new_blocks is None: ... break`): nothing overtakes it, so a long
 prompt cannot starve behind a stream of short ones. "skip_ahead" tries up to SKIP_AHEAD_LIMIT later ones
-(a short one may fit now) at the risk of that starvation; chapter 05 measures both. Either way a step's
-admission work is bounded by what it admits, however long the queue: a waiting prompt's block hashes are
-computed once (`BlockManager.hashes_of`), and the scan stops where admission cannot go on.
+(a short one may fit now) at the risk of that starvation; chapter 05 measures both. Either way the scan stops
+where admission cannot go on, so a step's admission work is bounded by what it admits, however long the queue.
 
-The scheduler is called twice per step, as in vLLM v1:
-- `schedule()`, before the forward: picks the batch (`pick`, the policy above) and commits it: each scheduled
-  sequence's new tokens count as computed from now on (`ScheduledSeq.start` keeps where the step starts, what
-  the input builder lays out), and a sequence the step brings to its end holds the place of the token it will
-  sample (a pending token: nanoengine/engine/pending.py). So with overlap scheduling the next step can be
-  scheduled before this one's tokens are known.
-- `update(out, tokens)`, after the forward: puts each sampled token in its place (with
-  speculation, the drafts kept and the model's own next token), caches the blocks they complete, applies the
-  stop rules token by token and frees finished sequences' blocks.
-If a step fails (an error in the forward, Ctrl-C), `forget(steps)` undoes what committing it did, the
-prefix-cache entries of blocks it would have written included, so nothing the step never computed is reused.
-
-A decode may carry drafts (speculative decoding, chapter 09: `seq.spec_token_ids`, put there before the step
-by the engine's draft source, engine/hooks.py): it is scheduled with 1 + k tokens (cut to what the budget and
-the free blocks allow) and samples 1 + k rows; the draft source keeps what it accepts before `update`.
-
-A step's records (`ScheduledSeq`, `SchedulerOutput`, `StepUpdate`) are in engine/scheduler_output.py; they are
-importable from here too.
+The scheduler is called twice per step, as in vLLM v1: `schedule()` before the forward, which picks the batch
+(`pick`) and commits it, so that with overlap scheduling the next step can be scheduled before this one's
+tokens are known (engine/pending.py); `update(out, tokens)` after it. If a step fails (an error in the
+forward, Ctrl-C), `forget(steps)` undoes what committing it did. A decode may carry k drafts (speculative
+decoding, chapter 09: `seq.spec_token_ids`, engine/hooks.py): it is scheduled with 1 + k tokens, cut to what
+the budget and the free blocks allow. A step's records: engine/scheduler_output.py (importable here too).
 """
 
 from __future__ import annotations
@@ -109,8 +96,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ before the forward
     def schedule(self) -> SchedulerOutput:
-        """This step's batch (`pick`), committed: its tokens count as computed, and each sequence it brings to
-        its end holds the place of the token it samples."""
+        """This step's batch (`pick`), committed: its new tokens count as computed from now on (`start` keeps
+        where the step starts), and each sequence it brings to its end holds the place of the token it samples
+        (a pending token)."""
         bm = self.block_manager
         bm.hashed_now = hashed = []
         try:
@@ -214,15 +202,13 @@ class Scheduler:
 
     def admit(self, seq: Sequence, budget: int) -> int | None:
         """Admit one waiting sequence (empty block table) into this step, or return None leaving nothing
-        behind: reuse its cached leading blocks, compute from there but always its last token (its logits give
-        the first output token), as many tokens as the budget allows, and put the blocks it fills into the
-        cache now, so that an identical prompt admitted later in this step shares them. Returns its new
-        tokens."""
+        behind: reuse its cached leading blocks, compute from there (but always its last token: its logits
+        give the first output token) as many tokens as the budget allows, and cache the blocks it fills now
+        (`cache_full_blocks`). Returns its new tokens."""
         bm = self.block_manager
         # a sequence whose prompt rows are scored (prompt logprobs) computes its whole prompt (a prefix-cache
         # hit has no logits; vLLM does the same); the blocks it fills are still cached for others
         seq.num_cached_tokens = 0 if seq.scored_until else bm.match_prefix(seq)
-        # always compute the last token
         seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not bm.can_allocate(seq, n):
@@ -234,9 +220,10 @@ class Scheduler:
         return n
 
     def forget(self, steps: list[SchedulerOutput]) -> None:
-        """After a failed step: the committed, unfinished steps (in order) are undone. Blocks they hashed lose
-        their hashes, the sequences they admitted go back to the front of the queue with no blocks, the others
-        drop pending tokens and drafts (pending.py); preempted ones stay preempted."""
+        """After a failed step: the committed, unfinished steps (in order) are undone, so nothing they never
+        computed is reused. Blocks they hashed lose their hashes, the sequences they admitted go back to the
+        front of the queue with no blocks, the others drop pending tokens and drafts (pending.py); preempted
+        ones stay preempted."""
         if not steps:
             return
         bm = self.block_manager
@@ -271,11 +258,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def update(self, out: SchedulerOutput, tokens: list[int]) -> StepUpdate:
-        """The step's tokens are known: per sequence of `out.sampled`, in order, the drafts it kept (none
-        without speculation: engine/hooks.py) and the model's next token. They take their places (kept drafts
-        count as computed), complete blocks are cached, and the stop rules apply token by token (the rest are
-        never appended; a finished sequence's blocks go to `out.blocks_freed`). A sequence that finished
-        meanwhile (aborted, or stopped by the token before: overlap) ignores its rows."""
+        """The step's tokens are known: per sequence of `out.sampled`, in order, the drafts it kept and the
+        model's next token. They take their places (kept drafts count as computed), complete blocks are
+        cached, and the stop rules apply token by token (the rest are never appended; a finished sequence's
+        blocks go to `out.blocks_freed`). A sequence that finished meanwhile ignores its rows."""
         result = StepUpdate()
         bm, finished = self.block_manager, SequenceStatus.FINISHED
         if len(tokens) != out.num_rows:
@@ -285,7 +271,7 @@ class Scheduler:
         block_size, appended, i = self.block_size, result.appended, 0
         eos, max_len = self.eos_token_ids, self._max_len
         for seq in out.sampled:
-            extra = len(seq.spec_token_ids)  # the drafts it kept (none without speculation)
+            extra = len(seq.spec_token_ids)  # the drafts it kept
             new = tokens[i:i + 1 + extra] if extra else [tokens[i]]
             row, i = i, i + len(new)
             if seq.status is finished:

@@ -1,12 +1,5 @@
 """What one scheduling step decides and what its update did: the records the scheduler (engine/scheduler.py)
-hands the engine, the input builder and the hooks. Chapter 05.
-
-- `ScheduledSeq`: one sequence in a step, with its new tokens and where the step starts;
-- `SchedulerOutput`: the whole step (scheduled, preempted, prefix hits, blocks taken and freed), and, once it
-  is committed, the sequences it samples and the blocks it cached ahead of their K/V (for `Scheduler.forget`);
-- `admitted(out)`: the sequences a step admitted from the waiting queue;
-- `StepUpdate`: what `Scheduler.update` did with the step's tokens.
-Plain data over Sequences: no torch.
+hands the engine, the input builder and the hooks. Plain data over Sequences: no torch. Chapter 05.
 """
 
 from __future__ import annotations
@@ -18,6 +11,7 @@ from nanoengine.engine.sequence import Sequence
 
 @dataclass(slots=True, init=False)
 class ScheduledSeq:
+    """One sequence in a step: its new tokens and where the step starts."""
     seq: Sequence
     num_new_tokens: int
     is_prefill: bool  # seq.is_prefill before this step
@@ -31,29 +25,27 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """The whole step: who runs, who was preempted, prefix hits, blocks taken and freed; once committed, what
+    it samples and the blocks it cached ahead of their K/V."""
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # running first, then newly admitted
     preempted: list[Sequence] = field(default_factory=list)
     cache_hits: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, hit tokens) per admitted seq
     blocks_allocated: list[int] = field(default_factory=list)
-    # by preemption here; update adds finished seqs'
-    blocks_freed: list[int] = field(default_factory=list)
+    blocks_freed: list[int] = field(default_factory=list)  # by preemption here; update adds finished seqs'
     num_batched_tokens: int = 0
-    # set when the step is committed: the sequences it samples a token for (each brought to its end), in
-    # scheduled order, as its tokens come back (a verifying sequence's 1 + k in a row); its prompt (or
-    # recomputed) tokens, the rest being decodes; and its number
+    # set when the step is committed: the sequences it samples for (each brought to its end), in scheduled
+    # order, as its tokens come back (a verifying sequence's 1 + k in a row); its prompt (or recomputed)
+    # tokens; and its number
     sampled: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_drafts: int = 0  # drafts among its sampled rows (a draft source cuts it to those kept, before update)
     step: int = 0
-    # also set when it is committed, for `Scheduler.forget`: the blocks it put in the prefix cache before
-    # their K/V exist
-    blocks_hashed: list[int] = field(default_factory=list)
+    blocks_hashed: list[int] = field(default_factory=list)  # cached ahead of their K/V (Scheduler.forget)
     updated: bool = False  # its tokens are in place (the engine's finish): it can no longer be undone
 
     @property
     def num_rows(self) -> int:
-        """The tokens its update takes: one per sampled sequence, and the drafts kept (each sequence states
-        how many rows it samples: 1 + its drafts)."""
+        """The tokens its update takes: one per sampled sequence, and the drafts kept."""
         return len(self.sampled) + self.num_drafts
 
 

@@ -1,17 +1,11 @@
 """Sequence: the state of one request (one completion) inside the engine. Chapter 03.
 
-Plain Python: token ids, how many of them already have their K/V in the cache
-(`num_computed_tokens`), the block table, and the sampling parameters.
-
-`token_ids` holds the tokens the host knows. A token sampled by a launched step whose result the host has not
-read yet (overlap scheduling, chapter 06) is *pending*: it is counted (`num_pending_tokens`, and so in
-`num_tokens`, which is what scheduling reads) but has no id here; the next step reads it on the device
-(nanoengine/engine/pending.py gathers every rule about pending tokens). Without overlap a token is pending
-only between the scheduler committing a step and the step's update, which puts it in place.
-
-Speculative decoding (chapter 09) keeps a step's drafted tokens apart, in `spec_token_ids`: they are computed
-with the step (1 + k new tokens) but are never in `token_ids` until the model accepted them, so nothing that
-reads `token_ids` (the prefix cache's hashes, the output) ever sees a rejected one.
+Plain Python: token ids, how many of them already have their K/V in the cache (`num_computed_tokens`), the
+block table, and the sampling parameters. `token_ids` holds only the tokens the host knows: a *pending* token
+(engine/pending.py) counts in `num_pending_tokens` and `num_tokens` but has no id here. Speculative decoding
+(chapter 09) keeps a step's drafts apart, in `spec_token_ids`: they are computed with the step but never in
+`token_ids` until the model accepted them, so nothing that reads `token_ids` (the prefix cache's hashes, the
+output) ever sees a rejected one.
 """
 
 from __future__ import annotations
@@ -46,9 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens served by the prefix cache at the last admission
         self.num_prompt_cached_tokens: int | None = None  # ... at the first (what outputs report, as vLLM)
         self.block_table: list[int] = []
-        # the chained prefix-cache hashes of its leading full blocks of known tokens, computed once (by
-        # BlockManager.hashes_of) and extended as it grows: a waiting sequence tried at every step hashes
-        # nothing again
+        # the chained prefix-cache hashes of its leading full blocks of known tokens (BlockManager.hashes_of)
         self.block_hashes: list[int] = []
         self.num_table_resets = 0  # times the block manager emptied or cut block_table (it grows between)
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
@@ -107,10 +99,9 @@ class Sequence:
 
     def check_stop(self, token: int, eos_token_ids: set[int], max_len: int) -> tuple[str | None, int | None]:
         """The stop rules, once `token` was appended: (finish reason, the stop token id that caused it), or
-        (None, None) to go on. "stop" for a stop token id, or an end-of-sequence id unless ignore_eos (neither
-        is drawn before `min_tokens`, as in vLLM: the step's logits mask holds them back,
-        nanoengine/engine/logits_masks.py; but for a grammar that can only end there, so one that comes
-        stops); "length" at max_tokens or at `max_len` tokens in all (the longest a sequence may grow)."""
+        (None, None) to go on. "stop" for a stop token id, or an end-of-sequence id unless ignore_eos (before
+        `min_tokens` the logits masks hold both back: engine/logits_masks.py); "length" at max_tokens or at
+        `max_len` tokens in all (the longest a sequence may grow)."""
         sp = self.sampling_params
         known = len(self.token_ids)
         if token in sp.stop_token_ids:

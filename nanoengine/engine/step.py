@@ -1,14 +1,5 @@
-"""What an engine step is while it runs and what it gives back. Chapters 05 and 06.
-
-- `LaunchedStep`: a step the engine has scheduled and started: its SchedulerOutput, the executor's
-  `ForwardOutput` (the tokens on the device, then on the host), and when each part of the launch happened
-  (`StepTimes`). With overlap scheduling one is in flight while the next launches.
-- `StepResult`: what `LLMEngine.step()` returns for the step it finished: the text deltas, the tokens each
-  sequence got, the requests that finished, and the step's `StepStats`. `LLM`, the server and the benchmarks
-  read this instead of the engine's attributes.
-- `EngineLoad`: how busy the engine is between steps (what a server's queue limit and metrics read).
-- `StepLoop`: the plain loop, one step per call: schedule -> launch -> finish (`LLMEngine.loop`, unless
-  overlap scheduling's `OverlapLoop`, engine/overlap.py, stands in).
+"""What an engine step is while it runs (`LaunchedStep`) and what it gives back (`StepResult`); how busy the
+engine is (`EngineLoad`); the plain step loop (`StepLoop`). Chapters 05 and 06.
 """
 
 from __future__ import annotations
@@ -36,6 +27,8 @@ class StepTimes(NamedTuple):
 
 @dataclass
 class LaunchedStep:
+    """A step the engine has scheduled and started (with overlap scheduling one is in flight while the next
+    launches): the executor's `forward` holds its tokens, on the device, then on the host."""
     scheduled: SchedulerOutput
     forward: ForwardOutput | None  # None: nothing was scheduled
     times: StepTimes
@@ -55,7 +48,8 @@ class TextDelta(NamedTuple):
 
 @dataclass
 class StepResult:
-    """One finished step's outcome; `stats` is None when a call finished no step (overlap's first)."""
+    """What `LLMEngine.step()` returns for the step it finished (`LLM`, the server and the benchmarks read
+    this, not the engine's attributes); `stats` is None when a call finished no step (overlap's first)."""
     deltas: list[TextDelta] = field(default_factory=list)  # new text, for every token that made some
     sampled: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the tokens each sequence got
     finished: list[Request] = field(default_factory=list)  # the requests whose last completion ended here
@@ -63,13 +57,14 @@ class StepResult:
 
 
 class EngineLoad(NamedTuple):
+    """How busy the engine is between steps (what a server's queue limit and metrics read)."""
     num_running: int  # sequences running (scheduled in the last step or decoding)
     num_waiting: int  # sequences queued or preempted
     num_used_blocks: int
     num_blocks: int
 
 class StepLoop:
-    """One step at a time: each call schedules a step, launches it and finishes it."""
+    """One step per call: schedule -> launch -> finish."""
 
     in_flight: LaunchedStep | None = None  # (never one)
 

@@ -1,10 +1,6 @@
 """Token embedding and the language-model head (tied to the embedding when the config says so), both
-vocab-parallel under tensor parallelism. Chapters 02 and 07.
-
-With N ranks, rank r holds vocabulary rows [r * V/N, (r + 1) * V/N) of both tables:
-- the embedding looks up the ids that fall in its rows, writes zeros for the others, and an all-reduce
-  sums the ranks' rows (exactly one rank contributes each token's embedding);
-- the LM head computes the logits of its vocabulary slice, and rank 0 gathers the slices into full rows.
+vocab-parallel under tensor parallelism: with N ranks, rank r holds vocabulary rows [r * V/N, (r + 1) * V/N)
+of both tables (their forwards: `TPGroup.embed`, `TPGroup.logits`). Chapters 02 and 07.
 """
 
 from __future__ import annotations

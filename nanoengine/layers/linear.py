@@ -1,49 +1,35 @@
 """Linear layers whose parameters know how to load their slice of a checkpoint. Chapters 02 and 07.
 
 `MergedLinear` fuses several Hugging Face projections (q/k/v, or gate/up) into one matmul; each part is
-loaded into its rows by `weight_loader(param, loaded, shard_id)`.
+loaded into its rows by `weight_loader(param, loaded, shard_id)`, which reads only its rank's share (of a lazy
+slice: models/loader.py). Tensor parallelism (chapter 07) splits the two kinds of projection differently, so
+that a decoder layer needs one all-reduce per half: column-parallel `MergedLinear` holds 1/N of every part's
+output rows (q/k/v rows are head-major, so a rank's rows are whole heads: GQA's query heads and the KV heads
+they read), row-parallel `RowParallelLinear` (o_proj, down_proj) 1/N of the input columns (their forwards:
+`TPGroup.column_parallel`, `TPGroup.row_parallel`).
 
-Tensor parallelism (chapter 07) splits the two kinds of projection differently, so that a decoder layer needs
-one all-reduce per half:
-- column-parallel (`MergedLinear` with a `TPGroup` of size N): each rank holds 1/N of every part's output
-  rows. q/k/v rows are head-major, so a rank's rows are whole heads (GQA: its query heads and the KV heads
-  they read);
-- row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds 1/N of the input columns, multiplies
-  the activations it already has, and the partial products are summed by an all-reduce (bias added once).
-A loader receives the checkpoint tensor or a lazy safetensors slice, and reads only its rank's share.
-
-On a CPU with bf16 support, `prepack_weights(model)` (chapter 08) reorders every weight once into oneDNN's
-blocked layout. A plain `F.linear` reorders the weight on every call; decode steps multiply a few rows by
-the whole weight, so that per-call reorder is much of their time, and packing once takes it away.
-The packed copy is an opaque oneDNN tensor beside the ordinary weight (which loading and tests still use).
-
-Where oneDNN has no fast bf16 path (an AVX2-only CPU, which runs bf16 checkpoints in float32),
-`use_bf16_weights(model, kernels, max_rows)` (chapter 08) gives every linear a bfloat16 copy of its weight,
-laid out once for the C++ kernel `bf16_linear` (`bf16_pack`: blocks of 8 rows, each one sequential stream),
-which multiplies batches of up to `max_rows` rows with it: a decode step streams every weight once, so half
-the bytes is about twice the speed. For a bf16 checkpoint the copy is exact (the float32 weight is a widened
-bf16), and the sums are float32, so the output is the float32 linear's up to the order of the sums. Larger
-batches (prefill) keep the ordinary float32 matmul; in bf16 (asked for on such a CPU) they run in float32 and
-round once, as a bf16 matmul rounds (torch's own bf16 matmul has no fast path on such a CPU).
-
-With prefill_dtype="bfloat16" (opt-in; chapter 08), `use_bf16_prefill(model, min_rows)` gives every linear of
-a bf16 checkpoint run in float32 a bf16 copy of its weight packed for oneDNN, for batches of over `min_rows`
-rows (prefill chunks, and the fused decode step's larger batches, which pass it to the C++ `Linear`): their
-activations are rounded to bf16 and multiplied by torch's bf16 matmul (oneDNN, which uses AMX tiles where the
-CPU has them), the sums cast back to float32 (the bias added in float32). The plan turns it on, and sets
-`min_rows`, where it measured faster than the path those batches would otherwise take
-(dtype_choice.prefill_choice); rounding the activations changes the results slightly, which is why it is not
-the default.
-
-With quantization="int8" (chapter 08), `layers.quant.quantize_weights` gives every linear an int8 copy of its
-weight instead (`use_int8`: the C++ kernel `int8_linear`, half of bf16's bytes), and replaces the weight
-itself by the dequantized values, so that larger batches (prefill), which keep the ordinary matmul, compute
-with the same quantized model. With quantization="w8a8" the copy is laid out for int8 dot products
-(`w8a8_pack`) and every batch multiplies it, its activations quantized to int8 on the fly (layers/quant.py).
-
-On a CPU with AVX-512, `bf16_pack` lays the bf16 copy out in column pairs of 16-row blocks (one 64-byte line
-per pair), which the kernel widens 16 lanes at a time (`bf16_linear`'s "avx512" path; kernels/csrc/
-bf16_linear.cpp says why its AVX512-BF16 dot-product path is not the default).
+CPU fast paths (chapter 08), each a copy of the weight beside the ordinary one (which loading and tests use):
+- `prepack_weights(model)`, on a CPU with bf16 support: every weight reordered once into oneDNN's blocked
+  layout (an opaque oneDNN tensor). A plain `F.linear` reorders the weight on every call; decode steps
+  multiply a few rows by the whole weight, so that per-call reorder is much of their time.
+- `use_bf16_weights(model, kernels, max_rows)`, where oneDNN has no fast bf16 path (an AVX2-only CPU, which
+  runs bf16 checkpoints in float32): a bfloat16 copy for the C++ kernel `bf16_linear`, for batches of up to
+  `max_rows` rows. `bf16_pack` lays it out in blocks of 8 rows, each one sequential stream (with AVX-512, in
+  column pairs of 16-row blocks, one 64-byte line per pair, widened 16 lanes at a time: `bf16_linear`'s
+  "avx512" path; kernels/csrc/bf16_linear.cpp says why its AVX512-BF16 dot-product path is not the default).
+  A decode step streams every weight once, so half the bytes is about twice the speed. For a bf16 checkpoint
+  the copy is exact (the float32 weight is a widened bf16) and the sums are float32, so the output is the
+  float32 linear's up to the order of the sums. Larger batches (prefill) keep the float32 matmul; in bf16
+  (asked for on such a CPU) they run in float32 and round once, as a bf16 matmul rounds (torch's own bf16
+  matmul has no fast path on such a CPU).
+- `use_bf16_prefill(model, min_rows)`, with prefill_dtype="bfloat16" (opt-in): batches of over `min_rows` rows
+  of a bf16 checkpoint run in float32 (prefill chunks, and the fused decode step's larger batches, which pass
+  it to the C++ `Linear`) round their activations to bf16 and multiply a bf16 copy packed for oneDNN (AMX
+  tiles where the CPU has them), the sums and the bias in float32. The plan turns it on, and sets `min_rows`,
+  where it measured faster than the other paths (dtype_choice.prefill_choice); the rounding changes the
+  results slightly, which is why it is not the default.
+- quantization="int8" or "w8a8" (layers/quant.py): an int8 copy (`use_int8`: the C++ kernel `int8_linear`,
+  half of bf16's bytes).
 """
 
 from __future__ import annotations
@@ -57,11 +43,9 @@ from torch import nn
 from nanoengine.errors import InvalidValueError
 from nanoengine.layers.tp_group import SINGLE, TPGroup
 
-# prefill_dtype="bfloat16": batches of more rows than this multiply bf16 activations by a bf16 weight (torch's
-# matmul; oneDNN with AMX), unless the plan measured another threshold (dtype_choice.prefill_choice). On a
-# Xeon with AMX (1 thread, SmolLM2's four linears of a layer) it beat float32 and the C++ bf16_linear at every
-# size from 64 rows: 1.75 against 4.42 and 6.52 ms at 64 rows, 4.3 against 23.5 and 38.6 at 256, 7.1 against
-# 38.9 and 65.4 at 512
+# use_bf16_prefill's default `min_rows`. On a Xeon with AMX (1 thread, SmolLM2's four linears of a layer) bf16
+# beat float32 and the C++ bf16_linear at every size from 64 rows: 1.75 against 4.42 and 6.52 ms at 64 rows,
+# 4.3 against 23.5 and 38.6 at 256, 7.1 against 38.9 and 65.4 at 512
 BF16_PREFILL_MIN_ROWS = 64
 
 
@@ -237,5 +221,4 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(self.tp.columns(loaded, full[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / N] -> [num_tokens, out]
-        # the group's row-parallel forward: partial products all-reduced, the bias added once
         return self.tp.row_parallel(x, self.weight, self.bias, self.matmul)

@@ -3,7 +3,6 @@
 x_rot = x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1] for the two halves of head_dim.
 `torch.roll` by head_dim/2 gives [x2, x1]; the sign goes into a precomputed sin table [-sin, sin], so a
 rotation is two multiplies and an add. The arithmetic runs in the activations' dtype, as in transformers.
-
 The model builds one module, shared by all its layers, and looks up cos/sin once per forward
 (`angles(positions, dtype)`); every layer then rotates with what it is handed (`rotate`). Built with
 `kernels` (the compiled CPU extension, chapter 06), the rotation reads the tables by position in one pass.
@@ -50,14 +49,13 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, angles: RotaryAngles, q: torch.Tensor,
                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]
-        if self.kernels is not None:  # one pass per tensor, reading cos/sin by position
+        if self.kernels is not None:
             return (self.kernels.rotary(q, angles.positions, self.cos, self.sin),
                     self.kernels.rotary(k, angles.positions, self.cos, self.sin))
         return apply_rotary(q, angles.cos, angles.sin), apply_rotary(k, angles.cos, angles.sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q and k at these positions
-        (one call; the model uses `angles` once, then `rotate` per layer)."""
+        """Rotate q and k at these positions in one call (`angles`, then `rotate`)."""
         return self.rotate(self.angles(positions, q.dtype), q, k)
 
 

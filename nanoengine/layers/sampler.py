@@ -3,11 +3,10 @@
 Sampling inverts the cumulative distribution: draw u ~ U[0, 1) per row and take the first token whose
 cumulative probability exceeds u * (total mass). That is one random number per token, where the exponential
 race (argmax(probs / q), q ~ Exp(1) for every vocabulary entry) needs 150k: on CPU drawing the race's noise
-alone costs far more than the cumulative sum. A request with a seed draws its u from its own generator, so
-its samples do not depend on which other requests share the batch.
-
-Built with `compile=True` (chapter 06; the config decides, on CUDA by default), the step from logits to the
-cumulative distribution (temperature, the filters, softmax, cumsum) runs as one torch.compile'd function.
+alone costs far more than the cumulative sum. A request with a seed draws its u from its own generator
+(engine/sampling.py). Built with `compile=True` (chapter 06; the config decides, on CUDA by default), the
+step from logits to the cumulative distribution (temperature, the filters, softmax, cumsum) runs as one
+torch.compile'd function.
 """
 
 from __future__ import annotations

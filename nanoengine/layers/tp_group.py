@@ -1,19 +1,14 @@
-"""The tensor-parallel group as the layers see it: this process's rank, the group's size, and the two
+"""The tensor-parallel group as the layers see it: this process's rank, the group's size, and the
 collectives a sharded model needs. Chapter 07.
 
 A layer is built with a `TPGroup` and asks it nothing else: which rows (`rows`) or columns (`columns`) of a
-checkpoint tensor this rank holds when it loads, and, in its forward, the parallel forward itself:
-`column_parallel` (a local matmul on this rank's output rows, no communication), `row_parallel` (a local
-matmul on this rank's input columns, then `all_reduce` of the partial sums, the bias added once),
-`embed` (this rank's part of a vocab-parallel lookup, `vocab_partial`, then `all_reduce`) and `logits` (the
-LM head's vocabulary slice, `gather`ed to rank 0, where sampling happens). The layer passes its own `matmul`
-(its packed or bf16 fast paths) along with its weight. With `size == 1` the collectives are no-ops, so the
-single-process engine runs the same layers. (Chapter 07's exercises run inside the engine as a TPGroup whose
-sharding and forwards are the learner's: nanoengine.pieces.ch07.)
-With `expert_parallel` (EngineConfig.enable_expert_parallel) a mixture of experts is split differently: each
-rank holds whole experts, `shard(num_experts)` of them, instead of 1/N of every expert (layers/moe.py); the
-other layers shard as always.
-Forming the process group itself is `nanoengine.distributed`'s job; a layer only calls the collectives.
+checkpoint tensor this rank holds when it loads, and its parallel forward (`column_parallel`, `row_parallel`,
+`embed`, `logits`: each says what it communicates), to which it passes its own `matmul` (its packed or bf16
+fast paths). With `size == 1` the collectives are no-ops, so the single-process engine runs the same layers.
+Chapter 07's exercises run inside the engine as a TPGroup whose sharding and forwards are the learner's
+(nanoengine.pieces.ch07). With `expert_parallel` (EngineConfig.enable_expert_parallel) each rank holds whole
+experts, `shard(num_experts)` of them, instead of 1/N of every expert (layers/moe.py); the other layers shard
+as always. Forming the process group itself is `nanoengine.distributed`'s job.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 class TPGroup:
     rank: int = 0
     size: int = 1
-    # MoE layers hold whole experts (expert parallelism), not every expert's rows; keyword-only, so that a
-    # subclass's own fields still follow rank and size positionally
+    # keyword-only, so that a subclass's own fields still follow rank and size positionally
     expert_parallel: bool = field(default=False, kw_only=True)
 
     def shard(self, n: int) -> tuple[int, int]:
@@ -85,7 +79,8 @@ class TPGroup:
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor, matmul: Matmul) -> torch.Tensor | None:
         """The LM head's forward: hidden [num_seqs, dim], weight [vocab / N, dim] this rank's vocabulary rows
-        -> [num_seqs, vocab] float32 on rank 0 (None on the others), the ranks' slices side by side."""
+        -> [num_seqs, vocab] float32 on rank 0, where sampling happens (None on the others), the ranks'
+        slices side by side."""
         return self.gather(matmul(hidden, None).float())  # [num_seqs, vocab / N] per rank, gathered
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

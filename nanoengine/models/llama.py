@@ -2,12 +2,10 @@
 
 Inputs are a flat batch of new tokens from many sequences ([num_tokens]); the attention layer reads and
 writes the paged KV cache through the batch's AttentionMetadata. The model is built with its attention backend
-and, optionally, compiled `kernels` (chapter 06) that its norms, rotary and MLP use; rotary cos/sin are looked
-up once per forward and handed to every layer.
-
-Under tensor parallelism (chapter 07) the model is built with its rank's `TPGroup`: each rank holds 1/N of the
-query and KV heads and of the MLP's intermediate rows, its attention reads its own heads' KV cache, and
-o_proj and down_proj each end in an all-reduce. Norms, rotary and the residual stream are whole on every rank.
+and, optionally, compiled `kernels` (chapter 06) that its norms, rotary and MLP use. Under tensor parallelism
+(chapter 07) it is built with its rank's `TPGroup`: each rank holds 1/N of the query and KV heads and of the
+MLP's intermediate rows, its attention reads its own heads' KV cache, and o_proj and down_proj each end in an
+all-reduce. Norms, rotary and the residual stream are whole on every rank.
 """
 
 from __future__ import annotations
