@@ -4,11 +4,10 @@
 
 `build_engine(model, **options)` checks the options (`config.py`), reads the checkpoint's config and applies
 the `use_exercises()` default to pick the learner's pieces (`pieces`), resolves everything against the
-checkpoint and the machine (`plan.py`), assembles the parts (`engine/parts.py`), starts the executor that
-hosts the ranks (one process, or rank 0 here and worker processes for tensor parallelism) and hands all of it
-to the step loop. Under a launcher (torchrun) every rank runs this: rank 0 goes on to the step loop, the
-others serve its steps here and exit when it closes (`distributed/launcher.py`). `LLM` and `nanoengine serve`
-build their engines here.
+checkpoint and the machine (`plan.py`), assembles the parts (`engine/parts.py`), starts the executor
+(`start_executor`) and hands all of it to the step loop. Under a launcher (torchrun) every rank runs this:
+rank 0 goes on to the step loop, the others serve its steps and exit when it closes. `LLM` and `nanoengine
+serve` build their engines here.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from typing import Any
 from nanoengine import assets, pieces
 from nanoengine.config import EngineConfig
 from nanoengine.distributed import launcher
-from nanoengine.distributed.executor import MultiprocExecutor
-from nanoengine.distributed.worker import serve_launched_rank
 from nanoengine.engine.executor import Executor, UniprocExecutor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.parts import EngineParts, assemble
@@ -33,6 +30,8 @@ def start_executor(plan: EnginePlan, parts: EngineParts, launch: launcher.Launch
     a launcher's ranks)."""
     if plan.tensor_parallel_size == 1:
         return UniprocExecutor(plan, parts)
+    from nanoengine.distributed.executor import MultiprocExecutor  # (imported only for tensor parallelism)
+
     return MultiprocExecutor(plan, parts, launch)
 
 
@@ -53,6 +52,8 @@ def build_engine(model: str = assets.DEFAULT_MODEL, **options: Any) -> LLMEngine
         except cpu_kernels.KernelBuildError:  # remembered now, so the plan picks torch's ops
             plan = resolve_plan(config, hf_config, model_path, chosen, launch)
     if launch is not None and launch.rank != 0:
+        from nanoengine.distributed.worker import serve_launched_rank
+
         serve_launched_rank(plan, launch)  # serves rank 0's steps; exits the process when it closes
     tokenizer = load_tokenizer(model_path)
     if len(tokenizer) > hf_config.vocab_size:

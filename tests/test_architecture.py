@@ -1,11 +1,13 @@
 """The house's rules, checked on the source: no import cycles inside nanoengine/ (imports inside functions
 count; typing-only ones do not), `engine/` never imports `distributed/`, the model runner knows nothing of
 processes, the config and the plan name no chapter and read no global state, every attention backend
-implements the declared interface, and a default generate imports no extension it does not use."""
+implements the declared interface, a default generate imports no extension it does not use, and the core
+files branch on no extension by name (scripts/core_size.py counts)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -145,7 +147,11 @@ def test_every_attention_backend_implements_the_interface():
 
 EXTENSIONS = ("nanoengine.spec", "nanoengine.structured", "nanoengine.layers.logprobs", "nanoengine.serve",
               "nanoengine.viz", "nanoengine.bench", "nanoengine.parsers", "nanoengine.tools", "xgrammar",
-              "nanoengine.engine.overlap")
+              "nanoengine.engine.overlap",
+              # tensor parallelism's ranks (one process needs only the launcher's check for torchrun)
+              "nanoengine.distributed.executor", "nanoengine.distributed.workers",
+              "nanoengine.distributed.worker", "nanoengine.distributed.ranks",
+              "nanoengine.distributed.channel", "nanoengine.distributed.launched_ranks")
 
 
 def extensions_imported(params: str) -> list[str]:
@@ -164,3 +170,21 @@ def test_a_default_generate_imports_no_extension_it_does_not_use():
     assert {"nanoengine.layers.logprobs", "nanoengine.structured"} <= set(extensions_imported(
         "max_tokens=4, logprobs=1, structured_outputs=__import__('nanoengine').sampling_params"
         ".StructuredOutputsParams(regex='[a-z]+')"))
+
+
+def load_core_size():
+    spec = importlib.util.spec_from_file_location("core_size", PACKAGE.parent / "scripts" / "core_size.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_core_files_branch_on_no_extension_by_name():
+    """An extension enters at a declared hook (engine/hooks.py), chosen in assemble(): the scheduler, the
+    input builder, the engine loop, the model runner and the executor never test for one by name."""
+    core_size = load_core_size()
+    found = core_size.extension_branches(PACKAGE.parent)
+    assert not found, ("the core files branch on an extension by name:\n" +
+                       "\n".join(f"  nanoengine/{f}:{line}: {test}" for f, line, test in found) +
+                       "\ngive it a hook (engine/hooks.py) that assemble() chooses, and call the hook")
+    assert len(core_size.reading_path(PACKAGE.parent)) == len(core_size.READING_PATH)  # (each file exists)

@@ -13,13 +13,14 @@ import torch
 
 from nanoengine.kernels import cpu as cpu_kernels
 from nanoengine.layers.linear import prepack_weights, use_bf16_prefill, use_bf16_weights
-from nanoengine.layers.quant import quantize_weights
 from nanoengine.plan import EnginePlan
 
 
 def prepare_weights(model: torch.nn.Module, plan: EnginePlan) -> None:
     """Give `model`'s layers the copies `plan` asks for (none on a plain plan)."""
     if plan.int8_weight_rows:
+        from nanoengine.layers.quant import quantize_weights  # (imported only to quantize)
+
         quantize_weights(model, cpu_kernels.load(), plan.int8_weight_rows,
                          activations=plan.quantization == "w8a8")  # (int8 activations too: W8A8)
     if plan.prepack_weights:
