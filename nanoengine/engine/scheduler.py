@@ -126,16 +126,22 @@ class Scheduler:
         return out
 
     def pick(self) -> SchedulerOutput:
-        """Who runs this step and how many new tokens each (the policy; chapter 05's Exercise 5.2)."""
-        bm = self.block_manager
+        """Who runs this step and how many new tokens each (the policy; chapter 05's Exercise 5.2): the
+        running sequences first, then the waiting ones. No admissions in a step that had to preempt: the pool
+        is under pressure and the preempted ones would just be readmitted."""
         out = SchedulerOutput()
-        scheduled = out.scheduled
-        budget = self.max_num_batched_tokens
-        block_size = self.block_size
+        budget = self.continue_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self.admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
 
-        # 1) running sequences, oldest first: decodes and the rest of chunked prefills. This loop runs for
-        #    every sequence of every step: the block manager's arithmetic (blocks_needed, fills_a_block) and
-        #    seq.is_prefill are written out here
+    def continue_running(self, out: SchedulerOutput, budget: int) -> int:
+        """The running sequences, oldest first, into `out`: decodes and the rest of chunked prefills, each cut
+        to the token budget left, preempting the newest while blocks run out. Returns the budget left. This
+        loop runs for every sequence of every step: the block manager's arithmetic (blocks_needed,
+        fills_a_block) and seq.is_prefill are written out here."""
+        bm, block_size, scheduled = self.block_manager, self.block_size, out.scheduled
         i, running = 0, self.running
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -167,38 +173,37 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, is_prefill, computed))
             budget -= n
             i += 1
+        return budget
 
-        # 2) waiting sequences, in order. No admissions in a step that had to preempt: the pool is under
-        #    pressure and the preempted ones would just be readmitted.
-        if not out.preempted:
-            j, skipped = 0, 0
-            may_skip = SKIP_AHEAD_LIMIT if self.policy == "skip_ahead" else 0  # fcfs: none
-            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[j]
-                first = seq.wait_for
-                if (first is not None and not first.is_finished
-                        and first.num_computed_tokens < first.num_prompt_tokens):
-                    j += 1  # an n>1 sibling: wait for the first completion's prefill, then hit its blocks
-                    continue
-                n = self.admit(seq, budget)
-                if n is None:  # its blocks do not fit: admission stops here (fcfs), or tries the next one
-                    if skipped == may_skip:
-                        break
-                    skipped += 1
-                    j += 1
-                    continue
-                hits = seq.num_cached_tokens
-                is_prefill = seq.is_prefill
-                out.blocks_allocated += seq.block_table[hits // bm.block_size:]  # after the cached ones: new
-                del self.waiting[j]
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
-                out.cache_hits.append((seq.seq_id, hits))
-                budget -= n
-
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        return out
+    def admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """The waiting sequences, in order, into `out` while the budget and max_num_seqs allow (`admit`; the
+        policy says where admission stops). Returns the budget left."""
+        j, skipped = 0, 0
+        may_skip = SKIP_AHEAD_LIMIT if self.policy == "skip_ahead" else 0  # fcfs: none
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            first = seq.wait_for
+            if (first is not None and not first.is_finished
+                    and first.num_computed_tokens < first.num_prompt_tokens):
+                j += 1  # an n>1 sibling: wait for the first completion's prefill, then hit its blocks
+                continue
+            n = self.admit(seq, budget)
+            if n is None:  # its blocks do not fit: admission stops here (fcfs), or tries the next one
+                if skipped == may_skip:
+                    break
+                skipped += 1
+                j += 1
+                continue
+            hits = seq.num_cached_tokens
+            is_prefill = seq.is_prefill
+            out.blocks_allocated += seq.block_table[hits // self.block_size:]  # after the cached ones: new
+            del self.waiting[j]
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill))
+            out.cache_hits.append((seq.seq_id, hits))
+            budget -= n
+        return budget
 
     def admit(self, seq: Sequence, budget: int) -> int | None:
         """Admit one waiting sequence (empty block table) into this step, or return None leaving nothing
