@@ -207,10 +207,24 @@ CASES = [(target, f.name) for target in TARGETS for f in cpu.SOURCES
          if target == "x86-64-native" or arch_specific(f)]
 
 
+def starts_with_kernels_h(source: str) -> bool:
+    """Whether a source's first include is kernels.h (which includes <ATen/ATen.h> first)."""
+    includes = [line for line in (cpu.CSRC / source).read_text().splitlines() if line.startswith("#include")]
+    return bool(includes) and includes[0] == '#include "kernels.h"'
+
+
+@pytest.fixture(scope="module")
+def aten_pchs() -> dict[str, Path]:
+    """target -> <ATen/ATen.h> precompiled with that target's flags, made by the first source that needs it:
+    parsing torch's headers is most of a source's ~6 s check, and a source whose first include is kernels.h
+    (which includes ATen/ATen.h first) reads the same declarations from the PCH."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target,source", CASES)
-def test_csrc_compiles_with_clang(target, source, clang_flags, tmp_path):
-    """A syntax check (-fsyntax-only, torch's headers) of one kernel source, ~7 s (one CPU) each."""
+def test_csrc_compiles_with_clang(target, source, clang_flags, aten_pchs, tmp_path_factory, tmp_path):
+    """A syntax check (-fsyntax-only, torch's headers) of one kernel source, ~1-7 s (one CPU) each."""
     from torch.utils.cpp_extension import include_paths
 
     flags = [f for f in clang_flags[target] if f != "-fopenmp"]  # without OpenMP, as Apple's clang builds
@@ -221,8 +235,18 @@ def test_csrc_compiles_with_clang(target, source, clang_flags, tmp_path):
             pytest.skip("no arm64 C++ headers for clang++ --target=aarch64-linux-gnu (apt-get install "
                         "libc6-dev-arm64-cross libstdc++-12-dev-arm64-cross; .ci/run installs them)")
     includes = [a for p in [*include_paths(), sysconfig.get_paths()["include"]] for a in ("-isystem", p)]
-    cmd = [CLANG, "-fsyntax-only", "-std=c++20", "-Werror=return-type", *flags,
-           "-DTORCH_EXTENSION_NAME=nanoengine_cpu_kernels", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
-           str(cpu.CSRC / source)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    compile_ = [CLANG, "-std=c++20", "-Werror=return-type", *flags,
+                "-DTORCH_EXTENSION_NAME=nanoengine_cpu_kernels", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes]
+    pch = []
+    if starts_with_kernels_h(source):
+        if target not in aten_pchs:
+            header = tmp_path_factory.mktemp(f"pch-{target}") / "aten.h"
+            header.write_text("#include <ATen/ATen.h>\n")
+            made = subprocess.run([*compile_, "-x", "c++-header", str(header), "-o", f"{header}.pch"],
+                                  capture_output=True, text=True, timeout=110)
+            assert made.returncode == 0, made.stderr[-4000:]
+            aten_pchs[target] = Path(f"{header}.pch")
+        pch = ["-include-pch", str(aten_pchs[target])]
+    done = subprocess.run([*compile_, "-fsyntax-only", *pch, str(cpu.CSRC / source)], capture_output=True,
+                          text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-4000:]
