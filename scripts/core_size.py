@@ -67,7 +67,7 @@ def extension_branches(root: Path = ROOT) -> list[tuple[str, int, str]]:
 
 
 def decode_step_modules(steps: int = 4) -> Counter[str]:
-    """How many calls one decode step makes into each nanoengine module (tiny-qwen3, default options)."""
+    """How many calls `steps` decode steps make into each nanoengine module (tiny-qwen3, default options)."""
     from nanoengine import LLM, SamplingParams
 
     engine = LLM("tiny-qwen3").engine
@@ -103,13 +103,14 @@ def main() -> None:
     for f, line, test in branches:
         print(f"  {f}:{line}: {test}")
     if not args.no_step:
-        calls = decode_step_modules()
+        steps = 4
+        calls = decode_step_modules(steps)
         model = sorted(m for m in calls if m.split(".")[1] in MODEL_PACKAGES)
         engine = sorted(m for m in calls if m not in model)
         print(f"modules one decode step enters: {len(calls)} ({len(engine)} the engine's, {len(model)} the "
               "model's)")
         for m in engine + model:
-            print(f"  {calls[m] // 4:4d} calls  {m}")
+            print(f"  {calls[m] / steps:6.1f} calls a step  {m}")
 
 
 if __name__ == "__main__":
